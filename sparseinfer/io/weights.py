@@ -1,0 +1,241 @@
+"""Weight sources: one interface over GGUF files and Hugging Face safetensors folders.
+
+Model files ask for tensors by their Hugging Face names; the GGUF source translates names in
+one place (`NAME_MAP`) and undoes llama.cpp's converter-side rewrites (the Q/K row permutation
+of `llama` GGUFs).  Matrices come back as `QWeight`s in their stored format.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, hf_dict_from_gguf
+from ..errors import ModelFormatError
+from ..quant import QWeight, from_float
+from . import gguf as gguf_io
+
+L = r"(\d+)"
+# (Hugging Face name regex, GGUF name template) per family; `\1` is the layer index.
+NAME_MAP: dict[str, list[tuple[str, str]]] = {
+    "llama": [
+        (r"model\.embed_tokens\.weight", "token_embd.weight"),
+        (r"model\.norm\.weight", "output_norm.weight"),
+        (r"lm_head\.weight", "output.weight"),
+        (rf"model\.layers\.{L}\.input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
+        (rf"model\.layers\.{L}\.post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
+        (rf"model\.layers\.{L}\.self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
+        (rf"model\.layers\.{L}\.self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
+        (rf"model\.layers\.{L}\.mlp\.(gate|up|down)_proj\.(weight|bias)", r"blk.\1.ffn_\2.\3"),
+    ],
+    "falcon": [
+        (r"transformer\.word_embeddings\.weight", "token_embd.weight"),
+        (r"transformer\.ln_f\.(weight|bias)", r"output_norm.\1"),
+        (r"lm_head\.weight", "output.weight"),
+        (rf"transformer\.h\.{L}\.(?:input_layernorm|ln_attn)\.(weight|bias)", r"blk.\1.attn_norm.\2"),
+        (rf"transformer\.h\.{L}\.ln_mlp\.(weight|bias)", r"blk.\1.attn_norm_2.\2"),
+        (rf"transformer\.h\.{L}\.self_attention\.query_key_value\.(weight|bias)", r"blk.\1.attn_qkv.\2"),
+        (rf"transformer\.h\.{L}\.self_attention\.dense\.(weight|bias)", r"blk.\1.attn_output.\2"),
+        (rf"transformer\.h\.{L}\.mlp\.dense_h_to_4h\.(weight|bias)", r"blk.\1.ffn_up.\2"),
+        (rf"transformer\.h\.{L}\.mlp\.dense_4h_to_h\.(weight|bias)", r"blk.\1.ffn_down.\2"),
+    ],
+    "opt": [
+        (r"model\.decoder\.embed_tokens\.weight", "token_embd.weight"),
+        (r"model\.decoder\.embed_positions\.weight", "position_embd.weight"),
+        (r"model\.decoder\.final_layer_norm\.(weight|bias)", r"output_norm.\1"),
+        (r"lm_head\.weight", "output.weight"),
+        (rf"model\.decoder\.layers\.{L}\.self_attn_layer_norm\.(weight|bias)", r"blk.\1.attn_norm.\2"),
+        (rf"model\.decoder\.layers\.{L}\.self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
+        (rf"model\.decoder\.layers\.{L}\.self_attn\.out_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
+        (rf"model\.decoder\.layers\.{L}\.final_layer_norm\.(weight|bias)", r"blk.\1.ffn_norm.\2"),
+        (rf"model\.decoder\.layers\.{L}\.fc1\.(weight|bias)", r"blk.\1.ffn_up.\2"),
+        (rf"model\.decoder\.layers\.{L}\.fc2\.(weight|bias)", r"blk.\1.ffn_down.\2"),
+    ],
+}
+
+
+def hf_to_gguf_name(family: str, name: str) -> str | None:
+    for pat, tmpl in NAME_MAP[family]:
+        m = re.fullmatch(pat, name)
+        if m:
+            return m.expand(tmpl)
+    return None
+
+
+def llama_qk_unpermute_index(n_rows: int, n_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation (interleaved rope -> rotate-half).
+
+    The converter stores row (h, i, j) of the GGUF tensor from HF row (h, j, i), i < d/2, j < 2."""
+    d = n_rows // n_heads
+    p = torch.arange(n_rows).view(n_heads, d // 2, 2)
+    return p.transpose(1, 2).reshape(-1)
+
+
+class WeightSource:
+    """Tensors of one model by Hugging Face name. Subclasses: GGUFSource, SafetensorsSource."""
+
+    config: ModelConfig
+    path: Path
+    falcon_qkv_grouped = False  # HF Falcon new-arch stores qkv interleaved per KV group
+
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def qweight(self, name: str) -> QWeight:
+        raise NotImplementedError
+
+    def tensor(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def maybe_tensor(self, name: str) -> torch.Tensor | None:
+        return self.tensor(name) if self.has(name) else None
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+
+class GGUFSource(WeightSource):
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.reader = gguf_io.open_reader(self.path)
+        self.metadata = gguf_io.read_metadata(self.reader)
+        self.config = ModelConfig.from_dict(hf_dict_from_gguf(self.metadata))
+        self.family = self.config.family
+        self._tensors = {t.name: t for t in self.reader.tensors}
+
+    def _find(self, name: str):
+        gname = hf_to_gguf_name(self.family, name)
+        return None if gname is None else self._tensors.get(gname)
+
+    def has(self, name: str) -> bool:
+        return self._find(name) is not None
+
+    def _get(self, name: str):
+        t = self._find(name)
+        if t is None:
+            raise ModelFormatError(
+                f"{self.path}: tensor {hf_to_gguf_name(self.family, name) or name!r} is missing "
+                f"(needed for {name}); the file is incomplete or not a {self.config.model_type} model"
+            )
+        return t
+
+    def _unpermute(self, name: str):
+        """Row index undoing the Q/K permutation for llama-arch GGUFs, else None."""
+        if self.config.model_type != "llama":
+            return None
+        m = re.search(r"self_attn\.([qk])_proj\.(weight|bias)$", name)
+        if not m:
+            return None
+        heads = self.config.num_attention_heads if m.group(1) == "q" else self.config.n_kv_heads
+        return heads
+
+    def qweight(self, name: str) -> QWeight:
+        t = self._get(name)
+        w = gguf_io.tensor_to_qweight(t)
+        heads = self._unpermute(name)
+        if heads:
+            w = w.select_rows(llama_qk_unpermute_index(w.rows, heads))
+        return w
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._get(name)
+        x = gguf_io.tensor_to_float(t)
+        heads = self._unpermute(name)
+        if heads:
+            x = x[llama_qk_unpermute_index(x.shape[0], heads)]
+        return x
+
+    def fingerprint(self) -> str:
+        return _fingerprint(self.path, [(t.name, t.tensor_type.name, tuple(int(s) for s in t.shape)) for t in self.reader.tensors])
+
+
+class SafetensorsSource(WeightSource):
+    """A Hugging Face model folder: config.json + *.safetensors (single or sharded with an index)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            raise ModelFormatError(f"{self.path}: no config.json; a Hugging Face model folder needs one")
+        try:
+            d = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelFormatError(f"{cfg}: invalid JSON ({e})") from e
+        self.config = ModelConfig.from_dict(d)
+        self.family = self.config.family
+        self.falcon_qkv_grouped = self.family == "falcon" and bool(self.config.new_decoder_architecture)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{self.path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            wanted = set(json.loads(index.read_text())["weight_map"].values())
+            missing = [f for f in wanted if not (self.path / f).is_file()]
+            if missing:
+                raise ModelFormatError(f"{self.path}: shard(s) {', '.join(sorted(missing))} listed in the index are missing")
+        self._where: dict[str, object] = {}
+        self._handles = []
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:
+                raise ModelFormatError(f"{f}: damaged safetensors file ({e})") from e
+            self._handles.append(h)
+            for k in h.keys():
+                self._where[k] = h
+
+    def _key(self, name: str) -> str | None:
+        if name in self._where:
+            return name
+        if name.startswith("model.") and name[len("model."):] in self._where:  # old OPT checkpoints
+            return name[len("model."):]
+        return None
+
+    def has(self, name: str) -> bool:
+        return self._key(name) is not None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        key = self._key(name)
+        if key is None:
+            raise ModelFormatError(f"{self.path}: tensor {name!r} is missing from the safetensors files")
+        return self._where[key].get_tensor(key)
+
+    def qweight(self, name: str) -> QWeight:
+        t = self.tensor(name)
+        fmt = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(t.dtype, "f32")
+        return from_float(t, fmt) if fmt == "f32" else QWeight(fmt, t.shape[0], t.shape[1], t.contiguous())
+
+    def fingerprint(self) -> str:
+        items = []
+        for k, h in sorted(self._where.items(), key=lambda kv: kv[0]):
+            sl = h.get_slice(k)
+            items.append((k, str(sl.get_dtype()), tuple(sl.get_shape())))
+        return _fingerprint(self.path, items)
+
+
+def _fingerprint(path: Path, tensor_infos: list) -> str:
+    """Identity of a model: tensor names/types/shapes plus a hash of the first MiB of its data."""
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(repr(sorted(tensor_infos)).encode())
+    first = path if path.is_file() else sorted(path.glob("*.safetensors"))[0]
+    with open(first, "rb") as f:
+        f.seek(max(0, first.stat().st_size // 2))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def open_source(path: str | os.PathLike) -> WeightSource:
+    """A .gguf file or a Hugging Face folder -> its WeightSource (clear errors otherwise)."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        return SafetensorsSource(p)
+    if not p.exists():
+        raise ModelFormatError(f"{p}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
+    return GGUFSource(p)

@@ -1,0 +1,214 @@
+"""Shared layers: linear over any weight format, norms, rotary embeddings, attention, dense MLP.
+
+Everything computes in float32 on (batch, time, features) tensors.  Weights stay in their
+`QWeight` format; `Linear` hands them to the CPU kernels (or, on an accelerator, to torch).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant import QWeight
+from ..kv_cache import LayerKV
+
+
+def _matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
+    """(M, K) float32 -> (M, N) through the fastest kernel for the weight's format and device."""
+    if x2.device.type == "cpu":
+        return _cpu_kernels().matmul(w, x2)
+    from ..kernels.device import matmul as dev_matmul
+
+    return dev_matmul(w, x2)
+
+
+@functools.cache
+def _cpu_kernels():
+    from ..kernels import cpu
+
+    return cpu
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with W in any `QWeight` format; a drop-in for nn.Linear at inference."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.cols
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = _matmul(self.weight, x.reshape(-1, x.shape[-1]).float().contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight, self.eps = weight.float(), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.weight = weight.float()
+        self.bias = None if bias is None else bias.float()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)}, drelu)")
+    return ACTIVATIONS[name]
+
+
+def kernel_act_name(name: str) -> str:
+    """Our activation name as the CPU kernels spell it."""
+    return {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "drelu": "relu"}.get(name, name)
+
+
+class MLP(nn.Module):
+    """Dense feed-forward block, the readable reference that `SparseFFN` replaces.
+
+    Gated (llama): down(act(gate x) * up x); `drelu` (Bamboo/TurboSparse): down(relu(gate x) * relu(up x)).
+    Plain (OPT, Falcon): down(act(up x)), `gate` is None."""
+
+    def __init__(self, gate: Linear | None, up: Linear, down: Linear, act: str):
+        super().__init__()
+        self.gate, self.up, self.down, self.act_name = gate, up, down, act
+        self.act = F.relu if act == "drelu" else activation(act)
+
+    @property
+    def n_neurons(self) -> int:
+        return self.up.out_features
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-neuron activations h that `down` mixes: shape (..., n_neurons)."""
+        if self.gate is None:
+            return self.act(self.up(x))
+        up = self.up(x)
+        if self.act_name == "drelu":
+            up = F.relu(up)
+        return self.act(self.gate(x)) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.hidden(x))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, rotate-half (NeoX/HF) convention, over the first `n_rot` dims."""
+
+    def __init__(self, n_rot: int, theta: float, max_pos: int, scaling: dict | None = None):
+        super().__init__()
+        self.n_rot, self.theta, self.scaling = n_rot, theta, scaling
+        self._inv_freq = self._frequencies()
+        self._cos = self._sin = torch.empty(0)
+
+    def _frequencies(self) -> torch.Tensor:
+        inv = 1.0 / (self.theta ** (torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot))
+        sc = self.scaling or {}
+        kind = sc.get("rope_type", sc.get("type", "default"))
+        if kind == "linear":
+            inv = inv / sc["factor"]
+        elif kind == "llama3":
+            inv = _llama3_scale(inv, sc)
+        return inv
+
+    def _table(self, n: int):
+        if self._cos.shape[0] < n:
+            size = max(n, 2 * self._cos.shape[0], 256)
+            ang = torch.outer(torch.arange(size, dtype=torch.float64), self._inv_freq)
+            ang = torch.cat([ang, ang], dim=-1)
+            self._cos, self._sin = ang.cos().float(), ang.sin().float()
+        return self._cos, self._sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (B, H, T, d_head); positions: (T,) or (B, T) absolute positions."""
+        cos, sin = self._table(int(positions.max()) + 1)
+        cos, sin = cos[positions].to(x.device), sin[positions].to(x.device)
+        if positions.dim() == 1:
+            cos, sin = cos[None, None], sin[None, None]
+        else:
+            cos, sin = cos[:, None], sin[:, None]
+        r = self.n_rot
+        xr, xp = x[..., :r], x[..., r:]
+        half = r // 2
+        rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        out = xr * cos + rot * sin
+        return out if xp.shape[-1] == 0 else torch.cat([out, xp], dim=-1)
+
+
+def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
+    factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old = sc.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    return torch.where(is_mid, mid, scaled)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped/multi-query KV heads and an explicit per-layer cache."""
+
+    def __init__(self, q: Linear, k: Linear, v: Linear, o: Linear, n_heads: int, n_kv_heads: int,
+                 d_head: int, rotary: Rotary | None):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.n_heads, self.n_kv_heads, self.d_head, self.rotary = n_heads, n_kv_heads, d_head, rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.d_head).transpose(1, 2)
+        k = self.k(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
+        v = self.v(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        start = cache.length
+        k, v = cache.update_and_fetch(k, v)
+        out = attend(q, k, v, start)
+        return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of T new queries (positions start..start+T-1) over L = start+T keys."""
+    T, L = q.shape[2], k.shape[2]
+    mask = None
+    if T > 1:
+        mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -1,0 +1,41 @@
+"""Llama family: Llama-2/3, Mistral, SmolLM2, Qwen2 (q/k/v bias), ReLU-Llama/ProSparse, Bamboo (dReLU)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..io.weights import WeightSource
+from .base import CausalLM, Embedding
+from .layers import MLP, Attention, Linear, RMSNorm, Rotary
+
+
+class Block(nn.Module):
+    def __init__(self, attn: Attention, mlp: MLP, attn_norm: RMSNorm, ffn_norm: RMSNorm):
+        super().__init__()
+        self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), positions, kv)
+        return h + self.mlp(self.ffn_norm(h))
+
+
+def linear(src: WeightSource, prefix: str) -> Linear:
+    return Linear(src.qweight(f"{prefix}.weight"), src.maybe_tensor(f"{prefix}.bias"))
+
+
+def build(src: WeightSource) -> CausalLM:
+    c = src.config
+    rotary = Rotary(c.n_rot, c.rope_theta, c.max_position_embeddings, c.rope_scaling)
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        attn = Attention(linear(src, f"{a}.q_proj"), linear(src, f"{a}.k_proj"), linear(src, f"{a}.v_proj"),
+                         linear(src, f"{a}.o_proj"), c.num_attention_heads, c.n_kv_heads, c.d_head, rotary)
+        m = f"{p}.mlp"
+        mlp = MLP(linear(src, f"{m}.gate_proj"), linear(src, f"{m}.up_proj"), linear(src, f"{m}.down_proj"), c.hidden_act)
+        layers.append(Block(attn, mlp, RMSNorm(src.tensor(f"{p}.input_layernorm.weight"), c.rms_norm_eps),
+                            RMSNorm(src.tensor(f"{p}.post_attention_layernorm.weight"), c.rms_norm_eps)))
+    embed = Embedding(src.qweight("model.embed_tokens.weight"))
+    head = Linear(src.qweight("lm_head.weight")) if src.has("lm_head.weight") else Linear(embed.weight)
+    return CausalLM(c, embed, layers, RMSNorm(src.tensor("model.norm.weight"), c.rms_norm_eps), head)
