@@ -206,7 +206,7 @@ def tensor_to_float(t):
     if t.tensor_type.name not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(t.name, t.tensor_type.name)
     arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
 
 
 class UnsupportedTensorType(ModelFormatError):

@@ -1,0 +1,49 @@
+"""`sparseinfer bench`: prompt (prefill) and decode throughput on synthetic tokens, after warm-up."""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .generate import decode, prefill
+
+
+def measure(llm, n_prompt: int = 512, n_gen: int = 128, seed: int = 0) -> dict:
+    """Time a prefill of `n_prompt` tokens and `n_gen` single-token decode steps."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = llm.config.vocab_size
+    ids = torch.randint(100, max(vocab - 100, 101), (n_prompt,), generator=g).tolist()
+    need = n_prompt + n_gen + 1
+    cache = llm.model.new_cache(max(need, 16))
+    with torch.inference_mode():
+        prefill(llm.model, ids[:8], llm.model.new_cache(16))  # warm-up (first-call costs)
+        t0 = time.perf_counter()
+        logits = prefill(llm.model, ids, cache)
+        t1 = time.perf_counter()
+        tok = int(logits.argmax())
+        for _ in range(n_gen):
+            tok = int(decode(llm.model, tok, cache).argmax())
+        t2 = time.perf_counter()
+    return {"n_prompt": n_prompt, "n_gen": n_gen, "prompt_tps": n_prompt / (t1 - t0), "decode_tps": n_gen / (t2 - t1)}
+
+
+def run_bench(a) -> int:
+    from . import load
+
+    llm = load(a.model, threads=a.threads)
+    threads = torch.get_num_threads()
+    best = None
+    for _ in range(max(1, a.repetitions)):
+        r = measure(llm, a.n_prompt, a.n_gen)
+        if best is None or r["decode_tps"] > best["decode_tps"]:
+            best = r
+    rec = {"model": str(llm.info.path), "mode": "dense", "density": 1.0, "threads": threads,
+           "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2)}
+    print(f"model: {llm.info.path}\nthreads: {threads}\n"
+          f"prompt ({a.n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
+          f"decode ({a.n_gen} tokens):  {rec['decode_tps']:.1f} tok/s")
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return 0

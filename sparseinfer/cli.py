@@ -1,0 +1,172 @@
+"""Command line: a thin dispatcher. `sparseinfer run|chat|inspect|pull|bench|ppl|...`"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .errors import SparseInferError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="a .gguf file, a Hugging Face folder or a catalog name (default: smollm2)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks and load details")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_kw(a) -> dict:
+    return dict(max_tokens=a.max_tokens, temp=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n, seed=a.seed, stop=a.stop)
+
+
+def _load(a):
+    from . import load
+
+    t0 = time.perf_counter()
+    llm = load(a.model, ctx_size=a.ctx_size, threads=a.threads)
+    if a.verbose:
+        print(f"loaded {llm.info.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return llm
+
+
+def cmd_run(a) -> int:
+    llm = _load(a)
+    prompt = a.prompt
+    if a.file:
+        prompt = open(a.file, encoding="utf-8").read()
+    if prompt is None:
+        raise SparseInferError("no prompt: pass -p TEXT or -f FILE (or use `sparseinfer chat`)")
+    last = None
+    for r in llm.stream_generate(prompt, chat=not a.raw, **_sampling_kw(a)):
+        sys.stdout.write(r.text)
+        sys.stdout.flush()
+        last = r
+    print()
+    if last is not None and not a.quiet:
+        print(f"\nprompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
+              f"decode: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    llm = _load(a)
+    if not llm.tokenizer.chat_template:
+        raise SparseInferError("this model has no chat template; use `sparseinfer run --raw -p ...`")
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    print("chat with the model; empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not user.strip():
+            return 0
+        if user.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        messages.append({"role": "user", "content": user})
+        reply = []
+        for r in llm.chat(messages, **_sampling_kw(a)):
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            reply.append(r.text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_inspect(a) -> int:
+    from .inspect import describe
+
+    print(describe(a.model_path))
+    return 0
+
+
+def cmd_pull(a) -> int:
+    from .catalog import CATALOG, pull
+
+    if a.name == "list":
+        for e in CATALOG.values():
+            print(f"{e.name:22s} {e.description}")
+        return 0
+    print(pull(a.name))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from .bench import run_bench
+
+    return run_bench(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="sparseinfer", description="Fast local LLM inference with activation sparsity")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate from a prompt (streams)")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("-p", "--prompt", default=None)
+    p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("-q", "--quiet", action="store_true", help="no timing line")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("inspect", help="describe a model file: architecture, sizes, tensor types")
+    p.add_argument("model_path", nargs="?", default=None)
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("pull", help="fetch a catalog model into the cache (`pull list` lists them)")
+    p.add_argument("name", nargs="?", default="smollm2")
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("bench", help="prompt and decode throughput")
+    _model_args(p)
+    p.add_argument("--n-prompt", type=int, default=512)
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--repetitions", type=int, default=1)
+    p.add_argument("--json", default=None, help="append results as JSON records to this file")
+    p.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        return a.func(a) or 0
+    except SparseInferError as e:
+        if getattr(a, "verbose", False):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

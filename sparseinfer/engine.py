@@ -1,0 +1,132 @@
+"""`LLM`: a loaded model + tokenizer + settings, and the functions the Python API exposes."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from . import catalog
+from .config import ModelConfig
+from .errors import ContextOverflowError, SparseInferError
+from .generate import (GenerationResponse, make_sampler, presence_frequency_penalty, repetition_penalty,
+                       stream_generate as _stream)
+from .io.weights import WeightSource, open_source
+from .models.base import CausalLM
+from .models.registry import build_model
+
+
+@dataclass
+class LoadInfo:
+    path: Path
+    seconds: float
+    fingerprint: str
+
+
+class LLM:
+    """A model ready to generate. Make one with `sparseinfer.load(path)`."""
+
+    def __init__(self, model: CausalLM, tokenizer, source: WeightSource, ctx_size: int | None, info: LoadInfo):
+        self.model, self.tokenizer, self.source, self.info = model, tokenizer, source, info
+        limit = model.config.max_position_embeddings
+        self.ctx_size = min(ctx_size, limit) if ctx_size else min(limit, 4096)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def new_cache(self):
+        return self.model.new_cache(self.ctx_size)
+
+    # -- prompts
+    def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+
+    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if chat and self.tokenizer.chat_template:
+            return self.encode_chat_text(self.format_chat([{"role": "user", "content": prompt}]))
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Tokens of a rendered chat template; no second BOS when the template wrote one."""
+        bos = self.tokenizer.bos_id
+        has_bos = bos is not None and text.startswith(self.tokenizer.token_to_piece(bos))
+        return self.tokenizer.encode(text, add_bos=False if has_bos else None)
+
+    def check_fits(self, n_prompt: int, max_tokens: int = 0) -> None:
+        if n_prompt + 1 > self.ctx_size:
+            raise ContextOverflowError(
+                f"prompt is {n_prompt} tokens but the context size is {self.ctx_size}; "
+                "raise -c/--ctx-size (model maximum "
+                f"{self.config.max_position_embeddings}) or shorten the prompt"
+            )
+
+    # -- generation
+    def stream_generate(self, prompt: str | Sequence[int], max_tokens: int = 256, temp: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
+                        repeat_last_n: int = 64, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                        seed: int | None = None, stop: Sequence[str] = (), chat: bool = False
+                        ) -> Iterator[GenerationResponse]:
+        """Stream a completion. `chat=True` wraps a string prompt in the model's chat template."""
+        ids = self.encode_prompt(prompt, chat=chat)
+        if not ids:
+            raise SparseInferError("empty prompt: give at least one token of text")
+        self.check_fits(len(ids), max_tokens)
+        max_tokens = min(max_tokens, self.ctx_size - len(ids))
+        procs = [repetition_penalty(repeat_penalty, repeat_last_n)] if repeat_penalty != 1.0 else []
+        gen_procs = [presence_frequency_penalty(presence_penalty, frequency_penalty)] if (presence_penalty or frequency_penalty) else []
+        sampler = make_sampler(temp, top_k, top_p, min_p, seed)
+        yield from _stream(self.model, self.tokenizer, ids, max_tokens, sampler, procs, stop, self.new_cache(), gen_procs)
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> str:
+        """The whole completion as a string (same arguments as `stream_generate`)."""
+        return "".join(r.text for r in self.stream_generate(prompt, **kw))
+
+    def chat(self, messages: Sequence[dict], **kw) -> Iterator[GenerationResponse]:
+        """Stream a reply to a list of {"role", "content"} messages."""
+        return self.stream_generate(self.encode_chat_text(self.format_chat(messages)), **kw)
+
+
+def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None) -> LLM:
+    """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct)."""
+    from .io.tokenizer import Tokenizer
+
+    if threads:
+        set_threads(threads)
+    t0 = time.perf_counter()
+    p = catalog.resolve(None if path is None else str(path))
+    src = open_source(p)
+    with torch.inference_mode():
+        model = build_model(src)
+    if hasattr(src, "metadata"):
+        tok = Tokenizer.from_gguf_metadata(src.metadata)
+    else:
+        tok = Tokenizer.from_folder(src.path)
+    info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
+    return LLM(model, tok, src, ctx_size, info)
+
+
+def set_threads(n: int) -> None:
+    """Threads for torch ops and our CPU kernels."""
+    if n < 1:
+        raise SparseInferError(f"threads must be >= 1 (got {n})")
+    torch.set_num_threads(n)
+    try:
+        from .kernels import cpu
+
+        cpu.set_num_threads(n)
+    except ImportError:
+        pass
+
+
+def generate(llm: LLM, prompt: str | Sequence[int], **kw) -> str:
+    return llm.generate(prompt, **kw)
+
+
+def stream_generate(llm: LLM, prompt: str | Sequence[int], **kw) -> Iterator[GenerationResponse]:
+    return llm.stream_generate(prompt, **kw)

