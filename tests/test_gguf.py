@@ -1,0 +1,128 @@
+"""GGUF block decoding against the gguf package's numpy dequantization, for every supported type,
+and clear errors for bad files."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from sparseinfer.errors import ModelFormatError
+from sparseinfer.io import gguf as gio
+from sparseinfer.io.weights import open_source
+
+from tiny import export_gguf, hf_model
+
+
+class FakeTensor:
+    """Just enough of gguf's ReaderTensor for `tensor_to_qweight`."""
+
+    def __init__(self, name, qtype, rows, cols, data):
+        self.name, self.tensor_type = name, qtype
+        self.shape = np.array([cols, rows])
+        self.data = data
+
+
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> np.ndarray:
+    """Random raw blocks with sane f16 scale fields (every other byte pattern is a valid code)."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    f16 = lambda n: rng.uniform(0.001, 0.05, size=(rows, cols // block, n)).astype(np.float16).view(np.uint8)  # noqa
+    name = qtype.name
+    if name in ("Q4_0", "Q8_0", "Q5_0"):
+        raw[..., 0:2] = f16(1)
+    elif name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+        raw[..., 0:4] = f16(2)
+    elif name == "Q6_K":
+        raw[..., -2:] = f16(1)
+    elif name in ("Q2_K", "Q3_K"):
+        raw[..., -4 if name == "Q2_K" else -2:] = f16(2 if name == "Q2_K" else 1)
+    return raw.reshape(rows, -1)
+
+
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+
+
+@pytest.mark.parametrize("tname", TYPES)
+def test_block_decoding_matches_gguf(tname):
+    rng = np.random.default_rng(0)
+    qt = gguf.GGMLQuantizationType[tname]
+    rows, cols = 6, 512
+    raw = random_blocks(qt, rows, cols, rng)
+    ref = gguf.quants.dequantize(raw, qt).reshape(rows, cols)
+    w = gio.tensor_to_qweight(FakeTensor("t", qt, rows, cols, raw))
+    ours = w.dequantize().numpy()
+    exact = tname in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+    if exact:  # repacked losslessly
+        np.testing.assert_array_equal(ours, ref)
+    elif tname in ("Q4_K", "Q5_K"):  # per-32 scale products rounded to f16
+        np.testing.assert_allclose(ours, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max())
+    else:  # re-quantized to q8 per 32
+        step = np.abs(ref).reshape(rows, -1, 32).max(-1, keepdims=True) / 127
+        assert (np.abs(ours - ref).reshape(rows, -1, 32) <= step * 0.5 + 1e-6).all()
+
+
+@pytest.mark.parametrize("tname", ["F32", "F16", "BF16"])
+def test_float_types(tname):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((5, 40)).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[tname]
+    data = a.astype(np.float16) if tname == "F16" else gguf.quants.quantize(a, qt) if tname == "BF16" else a
+    ref = gguf.quants.dequantize(np.asarray(data), qt).reshape(5, 40)
+    w = gio.tensor_to_qweight(FakeTensor("t", qt, 5, 40, data))
+    np.testing.assert_array_equal(w.dequantize().numpy(), ref)
+
+
+def test_unsupported_type_is_named():
+    qt = gguf.GGMLQuantizationType.IQ2_XXS
+    with pytest.raises(ModelFormatError, match="IQ2_XXS"):
+        gio.tensor_to_qweight(FakeTensor("blk.0.ffn_up.weight", qt, 2, 256, np.zeros((2, 66), np.uint8)))
+
+
+@pytest.fixture(scope="module")
+def good_gguf(tmp_path_factory):
+    return export_gguf(hf_model("llama"), tmp_path_factory.mktemp("g") / "m.gguf", "Q8_0")
+
+
+def test_truncated_file(good_gguf, tmp_path):
+    bad = tmp_path / "trunc.gguf"
+    data = good_gguf.read_bytes()
+    bad.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        open_source(bad)
+
+
+def test_truncated_header(good_gguf, tmp_path):
+    bad = tmp_path / "head.gguf"
+    bad.write_bytes(good_gguf.read_bytes()[:200])
+    with pytest.raises(ModelFormatError, match="damaged|truncated"):
+        open_source(bad)
+
+
+def test_wrong_magic(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        open_source(bad)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelFormatError, match="no such"):
+        open_source(tmp_path / "nope.gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_head_count(1)
+    w.add_vocab_size(4)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelFormatError, match="unsupported architecture 'mamba'"):
+        open_source(tmp_path / "m.gguf")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelFormatError, match="config.json"):
+        open_source(tmp_path)
