@@ -1,0 +1,39 @@
+"""Build of the C kernel core `sparseinfer._cpu` (metadata lives in pyproject.toml).
+
+One extension, plain C11 + pthreads, no torch at build time.  The SIMD files pick their
+instruction sets with `#pragma GCC target`, and the library chooses AVX-512 (VNNI) / AVX2 /
+scalar at run time, so the compile flags stay generic and the .so runs on any x86-64 CPU
+(other architectures get the scalar kernels).  If the compiler is missing or fails, the
+install still succeeds (`optional=True`) and `sparseinfer.kernels.cpu` falls back to the
+reference kernels with a warning.
+"""
+import sys
+
+from setuptools import Extension, setup
+
+SOURCES = [
+    "sparseinfer/csrc/module.c",
+    "sparseinfer/csrc/ops.c",
+    "sparseinfer/csrc/pool.c",
+    "sparseinfer/csrc/kern_scalar.c",
+    "sparseinfer/csrc/kern_avx2.c",
+    "sparseinfer/csrc/kern_avx512.c",
+    "sparseinfer/csrc/kern_avx512vnni.c",
+]
+
+compile_args = [] if sys.platform == "win32" else ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+link_args = [] if sys.platform == "win32" else ["-pthread", "-lm"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "sparseinfer._cpu",
+            sources=SOURCES,
+            depends=["sparseinfer/csrc/common.h", "sparseinfer/csrc/ops.h", "sparseinfer/csrc/pool.h",
+                     "sparseinfer/csrc/kern_avx512_impl.h"],
+            extra_compile_args=compile_args,
+            extra_link_args=link_args,
+            optional=True,
+        )
+    ],
+)

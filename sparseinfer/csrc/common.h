@@ -1,0 +1,116 @@
+/* sparseinfer CPU kernel core: shared types.
+ *
+ * Weight layout (see sparseinfer/quant.py, which is the authority):
+ *   f32/f16/bf16: qs = rows x cols plain values, row-major.
+ *   q8: qs int8 rows x kp; d (and optional m) f16 rows x nb.  value = d*q (+ m)
+ *   q4: qs uint8 rows x kp/2 (GGUF nibble order: byte j = value j | value j+16 << 4 within
+ *       each 32-block); d, m f16 rows x nb.  value = d*q + m
+ *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
+ *
+ * Activations for the integer formats are quantized once per call to int8 blocks of 32
+ * (`xq_t`): q = round(x * 127/amax), d = amax/127, s = exact f32 sum of the block.
+ * Two byte layouts of q, matching how each weight format unpacks without shuffles:
+ *   XL_NATURAL (q8): block b at bytes 32b..32b+31.
+ *   XL_Q4 (q4): blocks in groups of 4 (g = 128 bytes): bytes 0..63 hold values 0..15 of the
+ *       4 blocks (16 each), bytes 64..127 values 16..31; blocks after the last full group
+ *       are stored naturally.  This is exactly the order a 64-byte q4 load yields after
+ *       `& 0x0F` (low nibbles) and `>> 4` (high nibbles).
+ * `de` holds each block scale repeated once per int32 lane of a 512-bit dot product:
+ *   XL_Q4: 16 floats per full group (d of block i at lanes 4i..4i+3);
+ *   XL_NATURAL: 16 floats per pair of blocks (d of block i at lanes 8i..8i+7).
+ */
+#ifndef SI_COMMON_H
+#define SI_COMMON_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_COUNT = 5 };
+enum { XL_NATURAL = 0, XL_Q4 = 1 };
+enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_COUNT = 4 };
+
+typedef struct {
+    int fmt;
+    int64_t rows, cols, kp, nb;
+    int64_t row_bytes;          /* bytes of one row of qs */
+    const uint8_t *qs;
+    const uint16_t *d;          /* f16 rows x nb (quantized formats) */
+    const uint16_t *m;          /* f16 rows x nb or NULL */
+} qmat_t;
+
+/* T quantized activation vectors, token t at q + t*q_stride etc. */
+typedef struct {
+    int8_t *q;
+    float *d, *s, *de;
+    int64_t q_stride, d_stride, de_stride;
+    int layout;
+} xq_t;
+
+/* Output addressing of a dot-product tile: element (row i, token t) -> y[i*ysr + t*yst]. */
+typedef struct {
+    float *y;
+    int64_t ysr, yst;
+} yout_t;
+
+/* One instruction-set level's kernels.  All of them are single-threaded; ops.c splits the
+ * work.  Row indices: `rows == NULL` means rows i0..i1-1 themselves, else rows[i0..i1-1]. */
+typedef struct {
+    const char *name;
+    /* quantize token vectors x[t*K ...] for t in [t0, t1) into xq */
+    void (*quantize)(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq);
+    /* integer formats: y[i, t] = W[row(i)] . x_t for i in [i0,i1), t in [0,T) */
+    void (*dot_q)(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const xq_t *xq, int64_t T, const yout_t *out);
+    /* float formats: x_t = x + t*xstride (f32) */
+    void (*dot_f)(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const float *x, int64_t xstride, int64_t T, const yout_t *out);
+    /* y[c0:c1] = sum_j h[j] * Wt[rows[j], c0:c1]; c0 is a multiple of 32 */
+    void (*axpy)(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n,
+                 int64_t c0, int64_t c1, float *y);
+    /* read nbytes from p, return a value that depends on every byte (defeats dead-code) */
+    uint64_t (*read_sum)(const uint8_t *p, int64_t nbytes);
+} kernels_t;
+
+extern const kernels_t si_kernels_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+extern const kernels_t si_kernels_avx2;
+extern const kernels_t si_kernels_avx512;
+extern const kernels_t si_kernels_avx512vnni;
+#endif
+
+static inline float si_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, mant = h & 0x3ffu, bits;
+    float f;
+    if (e == 0) {
+        f = (float)mant * 5.9604644775390625e-8f; /* 2^-24 */
+        return sign ? -f : f;
+    }
+    if (e == 31) bits = sign | 0x7f800000u | (mant << 13);
+    else bits = sign | ((e + 112u) << 23) | (mant << 13);
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float si_bf2f(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline int64_t si_row(const int32_t *rows, int64_t i) { return rows ? (int64_t)rows[i] : i; }
+
+/* Byte offset of value j (0..31) of block b in a quantized activation of nb blocks. */
+static inline int64_t si_xpos(int layout, int64_t nb, int64_t b, int j) {
+    if (layout == XL_Q4 && b < (nb & ~(int64_t)3)) {
+        int64_t g = b >> 2, i = b & 3;
+        return g * 128 + (j < 16 ? i * 16 + j : 64 + i * 16 + (j - 16));
+    }
+    return b * 32 + j;
+}
+
+/* Number of lanes of `de` per token for a given kp (both layouts fit in 8 per block). */
+static inline int64_t si_de_len(int64_t nb) { return 8 * nb + 16; }
+
+#endif

@@ -1,0 +1,382 @@
+/* AVX2 + FMA + F16C kernels (x86-64 CPUs without AVX-512).  Same tile structure and
+ * activation layouts as kern_avx512_impl.h, with 256-bit vectors and VPMADDUBSW/VPMADDWD. */
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+#include <math.h>
+#include "common.h"
+
+#define AI static inline __attribute__((always_inline))
+
+AI float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+AI float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* u8 x s8 -> i32 lanes (sum of 4 products each); no i16 saturation, see avx512 notes */
+AI __m256i dot8(__m256i a, __m256i b) { return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)); }
+
+/* ---------------------------------------------------------------- activation quantizer */
+
+void si_fill_de(int layout, int64_t nb, const float *d, float *de);
+
+static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+    const int64_t nb = kp / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * K;
+        int8_t *q = xq->q + t * xq->q_stride;
+        float *d = xq->d + t * xq->d_stride, *s = xq->s + t * xq->d_stride;
+        for (int64_t b = 0; b < nb; b++) {
+            float tmp[32];
+            const float *src = xt + b * 32;
+            if (K - b * 32 < 32) {
+                int64_t n = K - b * 32;
+                for (int j = 0; j < 32; j++) tmp[j] = j < n ? src[j] : 0.0f;
+                src = tmp;
+            }
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(src + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
+            }
+            float amax = hmax8(mx);
+            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m256 vid = _mm256_set1_ps(id);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vid));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vid));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+            p = _mm256_permutevar8x32_epi32(p, perm); /* undo the in-lane interleave of the packs */
+            _mm_storeu_si128((__m128i *)(q + si_xpos(xq->layout, nb, b, 0)), _mm256_castsi256_si128(p));
+            _mm_storeu_si128((__m128i *)(q + si_xpos(xq->layout, nb, b, 16)), _mm256_extracti128_si256(p, 1));
+            d[b] = amax / 127.0f;
+            s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        }
+        si_fill_de(xq->layout, nb, d, xq->de + t * xq->de_stride);
+    }
+}
+
+/* ------------------------------------------------------------------ integer dot tiles */
+
+AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const int R, const int T,
+              __m256 acc[4][4], float tail[4][4]) {
+    const int64_t nb = w->nb;
+    int64_t k = 0;
+    for (; k + 8 <= nb; k += 8) {
+        __m256 mv[4];
+        for (int r = 0; r < R; r++) mv[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp[r] + k)));
+        for (int t = 0; t < T; t++) {
+            __m256 sv = _mm256_loadu_ps(xq->s + t * xq->d_stride + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(mv[r], sv, acc[r][t]);
+        }
+    }
+    for (; k < nb; k++)
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) tail[r][t] += _cvtsh_ss(mp[r][k]) * xq->s[t * xq->d_stride + k];
+}
+
+AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4], *mp[4];
+    __m256 acc[4][4];
+    float tail[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * nb;
+        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        for (int t = 0; t < T; t++) {
+            acc[r][t] = _mm256_setzero_ps();
+            tail[r][t] = 0.0f;
+        }
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ia = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), ib = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    for (int64_t g = 0; g < ng; g++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i lo[4], hi[4];
+            __m256 dw[4];
+            for (int r = 0; r < R; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(qp[r] + 64 * g + 32 * h));
+                lo[r] = _mm256_and_si256(v, m4);
+                hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(dp[r] + 4 * g))));
+                dw[r] = _mm256_permutevar8x32_ps(d4, h ? ib : ia);
+            }
+            for (int t = 0; t < T; t++) {
+                const int8_t *xb = xq->q + t * xq->q_stride + 128 * g + 32 * h;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)xb), xh = _mm256_loadu_si256((const __m256i *)(xb + 64));
+                __m256 de = _mm256_loadu_ps(xq->de + t * xq->de_stride + 16 * g + 8 * h);
+                for (int r = 0; r < R; r++) {
+                    __m256i p = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl), _mm256_maddubs_epi16(hi[r], xh)),
+                                                  _mm256_set1_epi16(1));
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw[r], de), acc[r][t]);
+                }
+            }
+        }
+    }
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    for (int64_t b = 4 * ng; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(qp[r] + 16 * b));
+            __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x));
+            float dwr = _cvtsh_ss(dp[r][b]);
+            for (int t = 0; t < T; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+                __m256 f = _mm256_cvtepi32_ps(dot8(wv, xv));
+                acc[r][t] = _mm256_fmadd_ps(f, _mm256_set1_ps(dwr * xq->d[t * xq->d_stride + b]), acc[r][t]);
+            }
+        }
+    }
+    if (w->m) mterm(w, mp, xq, R, T, acc, tail);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]) + tail[r][t];
+}
+
+AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+    const int64_t nb = w->nb;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4], *mp[4];
+    __m256 acc[4][4];
+    float tail[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * nb;
+        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        for (int t = 0; t < T; t++) {
+            acc[r][t] = _mm256_setzero_ps();
+            tail[r][t] = 0.0f;
+        }
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i wa[4], ws[4];
+        float dw[4];
+        for (int r = 0; r < R; r++) {
+            ws[r] = _mm256_loadu_si256((const __m256i *)(qp[r] + 32 * b));
+            wa[r] = _mm256_abs_epi8(ws[r]);
+            dw[r] = _cvtsh_ss(dp[r][b]);
+        }
+        for (int t = 0; t < T; t++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+            float dx = xq->d[t * xq->d_stride + b];
+            for (int r = 0; r < R; r++) {
+                __m256 f = _mm256_cvtepi32_ps(dot8(wa[r], _mm256_sign_epi8(xv, ws[r])));
+                acc[r][t] = _mm256_fmadd_ps(f, _mm256_set1_ps(dw[r] * dx), acc[r][t]);
+            }
+        }
+    }
+    if (w->m) mterm(w, mp, xq, R, T, acc, tail);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]) + tail[r][t];
+}
+
+#define TILE_FN(name, tile, R, T) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const xq_t *xq, float res[4][4]) { \
+        tile(w, rr, xq, R, T, res); }
+TILE_FN(q4_4x4, q4_tile, 4, 4)
+TILE_FN(q4_4x1, q4_tile, 4, 1)
+TILE_FN(q4_1x4, q4_tile, 1, 4)
+TILE_FN(q4_1x1, q4_tile, 1, 1)
+TILE_FN(q8_4x4, q8_tile, 4, 4)
+TILE_FN(q8_4x1, q8_tile, 4, 1)
+TILE_FN(q8_1x4, q8_tile, 1, 4)
+TILE_FN(q8_1x1, q8_tile, 1, 1)
+
+typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const xq_t *, float[4][4]);
+
+static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const xq_t *xq, int64_t T, const yout_t *out) {
+    const int q4 = w->fmt == FMT_Q4;
+    for (int64_t i = i0; i < i1;) {
+        const int R = i1 - i >= 4 ? 4 : 1;
+        int64_t rr[4];
+        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+        for (int64_t t = 0; t < T;) {
+            const int Tn = T - t >= 4 ? 4 : 1;
+            qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : q4_4x1) : (Tn == 4 ? q4_1x4 : q4_1x1))
+                             : (R == 4 ? (Tn == 4 ? q8_4x4 : q8_4x1) : (Tn == 4 ? q8_1x4 : q8_1x1));
+            xq_t sub = *xq;
+            sub.q += t * xq->q_stride;
+            sub.d += t * xq->d_stride;
+            sub.s += t * xq->d_stride;
+            sub.de += t * xq->de_stride;
+            float res[4][4];
+            fn(w, rr, &sub, res);
+            for (int r = 0; r < R; r++)
+                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+            t += Tn;
+        }
+        i += R;
+    }
+}
+
+/* -------------------------------------------------------------------- float dot tiles */
+
+AI __m256 loadw(const int fmt, const uint8_t *p, int64_t k) {
+    if (fmt == FMT_F32) return _mm256_loadu_ps((const float *)p + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+    if (fmt == FMT_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AI float loadw1(const int fmt, const uint8_t *p, int64_t k) {
+    if (fmt == FMT_F32) return ((const float *)p)[k];
+    uint16_t h;
+    memcpy(&h, p + 2 * k, 2);
+    return fmt == FMT_F16 ? _cvtsh_ss(h) : si_bf2f(h);
+}
+
+AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, const int fmt,
+               const int R, const int T, float res[4][4]) {
+    const int64_t K = w->cols;
+    const uint8_t *wp[4];
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        wp[r] = w->qs + rr[r] * w->row_bytes;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = loadw(fmt, wp[r], k);
+        for (int t = 0; t < T; t++) {
+            __m256 xv = _mm256_loadu_ps(x + t * xs + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float s = hsum8(acc[r][t]);
+            for (int64_t j = k; j < K; j++) s += loadw1(fmt, wp[r], j) * x[t * xs + j];
+            res[r][t] = s;
+        }
+}
+
+#define FTILE_FN(name, fmt, R, T) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, float res[4][4]) { \
+        f_tile(w, rr, x, xs, fmt, R, T, res); }
+#define FTILE_SET(fn, FMT) \
+    FTILE_FN(fn##_4x4, FMT, 4, 4) FTILE_FN(fn##_4x1, FMT, 4, 1) FTILE_FN(fn##_1x4, FMT, 1, 4) FTILE_FN(fn##_1x1, FMT, 1, 1)
+FTILE_SET(f32, FMT_F32)
+FTILE_SET(f16, FMT_F16)
+FTILE_SET(bf16, FMT_BF16)
+
+typedef void (*ftile_fn)(const qmat_t *, const int64_t *, const float *, int64_t, float[4][4]);
+static const ftile_fn FTILES[3][4] = {
+    {f32_4x4, f32_4x1, f32_1x4, f32_1x1},
+    {f16_4x4, f16_4x1, f16_1x4, f16_1x1},
+    {bf16_4x4, bf16_4x1, bf16_1x4, bf16_1x1},
+};
+
+static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const float *x, int64_t xstride, int64_t T, const yout_t *out) {
+    for (int64_t i = i0; i < i1;) {
+        const int R = i1 - i >= 4 ? 4 : 1;
+        int64_t rr[4];
+        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+        for (int64_t t = 0; t < T;) {
+            const int Tn = T - t >= 4 ? 4 : 1;
+            float res[4][4];
+            FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, x + t * xstride, xstride, res);
+            for (int r = 0; r < R; r++)
+                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+            t += Tn;
+        }
+        i += R;
+    }
+}
+
+/* ------------------------------------------------------------------------------ axpy */
+
+/* Processes one row at a time over the column chunk [c0, c1): y[c] += h_j * w_j[c] in row
+ * order (the order, not the grouping, fixes the result). */
+static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n,
+                 int64_t c0, int64_t c1, float *y) {
+    memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    const int fmt = wt->fmt;
+    float ym[64 + 8];
+    const int64_t b0 = c0 / 32, nbc = (c1 - c0 + 31) / 32;
+    memset(ym, 0, sizeof ym);
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t row = rows[j];
+        const uint8_t *wp = wt->qs + row * wt->row_bytes;
+        const float hj = h[j];
+        const __m256 hv = _mm256_set1_ps(hj);
+        if (fmt <= FMT_BF16) {
+            int64_t c = c0;
+            for (; c + 8 <= c1; c += 8) {
+                __m256 yv = _mm256_loadu_ps(y + c);
+                __m256 wv = fmt == FMT_F32 ? loadw(FMT_F32, wp, c) : fmt == FMT_F16 ? loadw(FMT_F16, wp, c) : loadw(FMT_BF16, wp, c);
+                _mm256_storeu_ps(y + c, _mm256_fmadd_ps(hv, wv, yv));
+            }
+            for (; c < c1; c++) y[c] = fmaf(hj, fmt == FMT_F32 ? loadw1(FMT_F32, wp, c) : fmt == FMT_F16 ? loadw1(FMT_F16, wp, c) : loadw1(FMT_BF16, wp, c), y[c]);
+            continue;
+        }
+        const uint16_t *dp = wt->d + row * wt->nb + b0, *mp = wt->m ? wt->m + row * wt->nb + b0 : NULL;
+        for (int64_t b = 0; b < nbc; b++) {
+            const int64_t c = (b0 + b) * 32;
+            const __m256 s = _mm256_set1_ps(hj * _cvtsh_ss(dp[b]));
+            if (mp) ym[b] = fmaf(hj, _cvtsh_ss(mp[b]), ym[b]);
+            __m256 v[4];
+            if (fmt == FMT_Q4) {
+                const uint8_t *qb = wp + 16 * (b0 + b);
+                __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+                __m256i bb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+                const __m256i m4 = _mm256_set1_epi32(0x0F);
+                v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m4));
+                v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(bb, m4));
+                v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+                v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bb, 4));
+            } else {
+                const uint8_t *qb = wp + 32 * (b0 + b);
+                for (int i = 0; i < 4; i++)
+                    v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * i))));
+            }
+            if (c + 32 <= c1) {
+                for (int i = 0; i < 4; i++)
+                    _mm256_storeu_ps(y + c + 8 * i, _mm256_fmadd_ps(s, v[i], _mm256_loadu_ps(y + c + 8 * i)));
+            } else {
+                float tmp[32];
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(tmp + 8 * i, v[i]);
+                float sc = hj * _cvtsh_ss(dp[b]);
+                for (int64_t k = c; k < c1; k++) y[k] = fmaf(sc, tmp[k - c], y[k]);
+            }
+        }
+    }
+    if (fmt >= FMT_Q8 && wt->m)
+        for (int64_t b = 0; b < nbc; b++) {
+            const int64_t c = (b0 + b) * 32, e = c + 32 <= c1 ? c + 32 : c1;
+            for (int64_t k = c; k < e; k++) y[k] += ym[b];
+        }
+}
+
+/* -------------------------------------------------------------------- bandwidth probe */
+
+static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 128 <= nbytes; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i a = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    uint64_t r[4];
+    _mm256_storeu_si256((__m256i *)r, a);
+    uint64_t acc = r[0] + r[1] + r[2] + r[3];
+    for (; i < nbytes; i++) acc += p[i];
+    return acc;
+}
+
+const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum};
+#else
+typedef int si_empty_translation_unit;
+#endif

@@ -1,0 +1,447 @@
+/* AVX-512 kernels, included by kern_avx512.c (SI_VNNI 0) and kern_avx512vnni.c (SI_VNNI 1),
+ * each of which sets the target ISA for the whole file with `#pragma GCC target`.
+ *
+ * Dot products are computed in tiles of R rows x T tokens (R, T in {1, 4}); every (row,
+ * token) result goes through the same sequence of operations whatever the tile shape, so a
+ * row's result never depends on how rows are split between threads or tiles (gemv ==
+ * gemv_rows == one row of matmul, bit for bit). */
+#include <immintrin.h>
+#include "common.h"
+
+#define AI static inline __attribute__((always_inline))
+
+#if SI_VNNI
+#define DP512(acc, a, b) _mm512_dpbusd_epi32((acc), (a), (b))
+#define DP256(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
+#else
+/* u8 x s8 pairs summed to i16 never saturate here: |w| <= 128 (q8 as abs) or 15 (q4) and
+ * |x| <= 127, so 2 * 128 * 127 < 32767. */
+#define DP512(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((a), (b)), _mm512_set1_epi16(1)))
+#define DP256(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((a), (b)), _mm256_set1_epi16(1)))
+#endif
+
+/* ---------------------------------------------------------------- activation quantizer */
+
+static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+    const int64_t nb = kp / 32, nfull = nb & ~(int64_t)3;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * K;
+        int8_t *q = xq->q + t * xq->q_stride;
+        float *d = xq->d + t * xq->d_stride, *s = xq->s + t * xq->d_stride;
+        float *de = xq->de + t * xq->de_stride;
+        for (int64_t b = 0; b < nb; b++) {
+            int64_t n = K - b * 32;
+            __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+            __mmask16 m1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+            __m512 v0 = _mm512_maskz_loadu_ps(m0, xt + b * 32);
+            __m512 v1 = _mm512_maskz_loadu_ps(m1, xt + b * 32 + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            __m512 vid = _mm512_set1_ps(id);
+            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)));
+            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)));
+            int64_t o0 = si_xpos(xq->layout, nb, b, 0), o1 = si_xpos(xq->layout, nb, b, 16);
+            _mm_storeu_si128((__m128i *)(q + o0), q0);
+            _mm_storeu_si128((__m128i *)(q + o1), q1);
+            d[b] = amax / 127.0f;
+            s[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        }
+        if (xq->layout == XL_Q4) {
+            const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            for (int64_t g = 0; g < nfull / 4; g++)
+                _mm512_storeu_ps(de + 16 * g, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(d + 4 * g))));
+        } else {
+            const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+            for (int64_t p = 0; p < nb / 2; p++)
+                _mm512_storeu_ps(de + 16 * p, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(d + 2 * p))))));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ integer dot tiles */
+
+AI __m512 expand4(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+AI __m512 expand8(__m128 v) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+AI __m512 zext256(__m256 v) { return _mm512_insertf32x8(_mm512_setzero_ps(), v, 0); }
+
+/* m-term: acc[r][t] += sum_b m[r][b] * s_t[b], 16 blocks per step. */
+AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const int R, const int T, __m512 acc[4][4]) {
+    const int64_t nb = w->nb;
+    for (int64_t k = 0; k < nb; k += 16) {
+        __mmask16 mk = nb - k >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - k)) - 1);
+        __m512 mv[4];
+        for (int r = 0; r < R; r++) mv[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mp[r] + k));
+        for (int t = 0; t < T; t++) {
+            __m512 sv = _mm512_maskz_loadu_ps(mk, xq->s + t * xq->d_stride + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(mv[r], sv, acc[r][t]);
+        }
+    }
+}
+
+AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4], *mp[4];
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * nb;
+        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i lo[4], hi[4];
+        __m512 dw[4];
+        for (int r = 0; r < R; r++) {
+            __m512i v = _mm512_loadu_si512(qp[r] + 64 * g);
+            lo[r] = _mm512_and_si512(v, m4);
+            hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            dw[r] = expand4(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(dp[r] + 4 * g))));
+        }
+        for (int t = 0; t < T; t++) {
+            const int8_t *xb = xq->q + t * xq->q_stride + 128 * g;
+            __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
+            __m512 de = _mm512_loadu_ps(xq->de + t * xq->de_stride + 16 * g);
+            for (int r = 0; r < R; r++) {
+                __m512i p = DP512(DP512(z, lo[r], xl), hi[r], xh);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[r], de), acc[r][t]);
+            }
+        }
+    }
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    for (int64_t b = 4 * ng; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(qp[r] + 16 * b));
+            __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x));
+            float dwr = _cvtsh_ss(dp[r][b]);
+            for (int t = 0; t < T; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+                __m256i p = DP256(_mm256_setzero_si256(), wv, xv);
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dwr * xq->d[t * xq->d_stride + b]));
+                acc[r][t] = _mm512_add_ps(acc[r][t], zext256(f));
+            }
+        }
+    }
+    if (w->m) mterm(w, mp, xq, R, T, acc);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+    const int64_t nb = w->nb, np = nb >> 1;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4], *mp[4];
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * nb;
+        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    const __m512i z = _mm512_setzero_si512();
+    for (int64_t p = 0; p < np; p++) {
+        __m512i wa[4];
+        __mmask64 wn[4];
+        __m512 dw[4];
+        for (int r = 0; r < R; r++) {
+            __m512i v = _mm512_loadu_si512(qp[r] + 64 * p);
+            wa[r] = _mm512_abs_epi8(v); /* -128 -> 0x80 = 128 as unsigned: still exact */
+            wn[r] = _mm512_movepi8_mask(v);
+            int32_t d2;
+            memcpy(&d2, dp[r] + 2 * p, 4);
+            dw[r] = expand8(_mm_cvtph_ps(_mm_cvtsi32_si128(d2)));
+        }
+        for (int t = 0; t < T; t++) {
+            __m512i xv = _mm512_loadu_si512(xq->q + t * xq->q_stride + 64 * p);
+            __m512 de = _mm512_loadu_ps(xq->de + t * xq->de_stride + 16 * p);
+            for (int r = 0; r < R; r++) {
+                __m512i xs = _mm512_mask_sub_epi8(xv, wn[r], z, xv);
+                __m512i pr = DP512(z, wa[r], xs);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pr), _mm512_mul_ps(dw[r], de), acc[r][t]);
+            }
+        }
+    }
+    if (nb & 1) {
+        const int64_t b = nb - 1;
+        for (int r = 0; r < R; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qp[r] + 32 * b));
+            __m256i wa = _mm256_abs_epi8(v);
+            __mmask32 wn = _mm256_movepi8_mask(v);
+            float dwr = _cvtsh_ss(dp[r][b]);
+            for (int t = 0; t < T; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+                __m256i xs = _mm256_mask_sub_epi8(xv, wn, _mm256_setzero_si256(), xv);
+                __m256i pr = DP256(_mm256_setzero_si256(), wa, xs);
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(dwr * xq->d[t * xq->d_stride + b]));
+                acc[r][t] = _mm512_add_ps(acc[r][t], zext256(f));
+            }
+        }
+    }
+    if (w->m) mterm(w, mp, xq, R, T, acc);
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define TILE_FN(name, tile, R, T) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const xq_t *xq, float res[4][4]) { \
+        tile(w, rr, xq, R, T, res); }
+TILE_FN(q4_4x4, q4_tile, 4, 4)
+TILE_FN(q4_4x1, q4_tile, 4, 1)
+TILE_FN(q4_1x4, q4_tile, 1, 4)
+TILE_FN(q4_1x1, q4_tile, 1, 1)
+TILE_FN(q8_4x4, q8_tile, 4, 4)
+TILE_FN(q8_4x1, q8_tile, 4, 1)
+TILE_FN(q8_1x4, q8_tile, 1, 4)
+TILE_FN(q8_1x1, q8_tile, 1, 1)
+
+typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const xq_t *, float[4][4]);
+
+static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const xq_t *xq, int64_t T, const yout_t *out) {
+    const int q4 = w->fmt == FMT_Q4;
+    for (int64_t i = i0; i < i1;) {
+        const int R = i1 - i >= 4 ? 4 : 1;
+        int64_t rr[4];
+        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+        for (int64_t t = 0; t < T;) {
+            const int Tn = T - t >= 4 ? 4 : 1;
+            qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : q4_4x1) : (Tn == 4 ? q4_1x4 : q4_1x1))
+                             : (R == 4 ? (Tn == 4 ? q8_4x4 : q8_4x1) : (Tn == 4 ? q8_1x4 : q8_1x1));
+            xq_t sub = *xq;
+            sub.q += t * xq->q_stride;
+            sub.d += t * xq->d_stride;
+            sub.s += t * xq->d_stride;
+            sub.de += t * xq->de_stride;
+            float res[4][4];
+            fn(w, rr, &sub, res);
+            for (int r = 0; r < R; r++)
+                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+            t += Tn;
+        }
+        i += R;
+    }
+}
+
+/* -------------------------------------------------------------------- float dot tiles */
+
+AI __m512 loadw(const int fmt, const uint8_t *p, int64_t k) {
+    if (fmt == FMT_F32) return _mm512_loadu_ps((const float *)p + k);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
+    if (fmt == FMT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AI __m512 loadw_mask(const int fmt, const uint8_t *p, int64_t k, __mmask16 mk) {
+    if (fmt == FMT_F32) return _mm512_maskz_loadu_ps(mk, (const float *)p + k);
+    __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)p + k);
+    if (fmt == FMT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, const int fmt,
+               const int R, const int T, float res[4][4]) {
+    const int64_t K = w->cols;
+    const uint8_t *wp[4];
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        wp[r] = w->qs + rr[r] * w->row_bytes;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = loadw(fmt, wp[r], k);
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_loadu_ps(x + t * xs + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    if (k < K) {
+        __mmask16 mk = (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = loadw_mask(fmt, wp[r], k, mk);
+        for (int t = 0; t < T; t++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mk, x + t * xs + k);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+#define FTILE_FN(name, fmt, R, T) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, float res[4][4]) { \
+        f_tile(w, rr, x, xs, fmt, R, T, res); }
+#define FTILE_SET(fn, FMT) \
+    FTILE_FN(fn##_4x4, FMT, 4, 4) FTILE_FN(fn##_4x1, FMT, 4, 1) FTILE_FN(fn##_1x4, FMT, 1, 4) FTILE_FN(fn##_1x1, FMT, 1, 1)
+FTILE_SET(f32, FMT_F32)
+FTILE_SET(f16, FMT_F16)
+FTILE_SET(bf16, FMT_BF16)
+
+typedef void (*ftile_fn)(const qmat_t *, const int64_t *, const float *, int64_t, float[4][4]);
+static const ftile_fn FTILES[3][4] = {
+    {f32_4x4, f32_4x1, f32_1x4, f32_1x1},
+    {f16_4x4, f16_4x1, f16_1x4, f16_1x1},
+    {bf16_4x4, bf16_4x1, bf16_1x4, bf16_1x1},
+};
+
+static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const float *x, int64_t xstride, int64_t T, const yout_t *out) {
+    for (int64_t i = i0; i < i1;) {
+        const int R = i1 - i >= 4 ? 4 : 1;
+        int64_t rr[4];
+        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+        for (int64_t t = 0; t < T;) {
+            const int Tn = T - t >= 4 ? 4 : 1;
+            float res[4][4];
+            FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, x + t * xstride, xstride, res);
+            for (int r = 0; r < R; r++)
+                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+            t += Tn;
+        }
+        i += R;
+    }
+}
+
+/* ------------------------------------------------------------------------------ axpy */
+
+#define AXPY_MAXB 64 /* blocks of 32 columns per call: ops.c keeps chunks <= 2048 columns */
+
+AI __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* y[c] accumulates h_j * w_j[c] strictly in the order j = 0..n-1 (rows grouped by R only
+ * to load y once per R rows), so the result is independent of the column split. */
+AI void axpy_f_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, const int R,
+                    const int fmt, int64_t c0, int64_t c1, float *y) {
+    const uint8_t *wp[4];
+    __m512 hv[4];
+    for (int r = 0; r < R; r++) {
+        wp[r] = wt->qs + (int64_t)rows[j + r] * wt->row_bytes;
+        hv[r] = _mm512_set1_ps(h[j + r]);
+    }
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) {
+        __m512 yv = _mm512_loadu_ps(y + c);
+        for (int r = 0; r < R; r++) yv = _mm512_fmadd_ps(hv[r], loadw(fmt, wp[r], c), yv);
+        _mm512_storeu_ps(y + c, yv);
+    }
+    if (c < c1) {
+        __mmask16 mk = lanes(c1 - c);
+        __m512 yv = _mm512_maskz_loadu_ps(mk, y + c);
+        for (int r = 0; r < R; r++) yv = _mm512_fmadd_ps(hv[r], loadw_mask(fmt, wp[r], c, mk), yv);
+        _mm512_mask_storeu_ps(y + c, mk, yv);
+    }
+}
+
+AI void axpy_q_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, const int R,
+                    const int fmt, int64_t c0, int64_t c1, float *y, float *ym) {
+    const int64_t b0 = c0 / 32, nbc = (c1 - c0 + 31) / 32;
+    const uint8_t *qp[4];
+    float sc[4][AXPY_MAXB];
+    for (int r = 0; r < R; r++) {
+        int64_t row = rows[j + r];
+        qp[r] = wt->qs + row * wt->row_bytes;
+        const uint16_t *dp = wt->d + row * wt->nb + b0;
+        __m512 hv = _mm512_set1_ps(h[j + r]);
+        for (int64_t k = 0; k < nbc; k += 16) {
+            __mmask16 mk = lanes(nbc - k);
+            _mm512_storeu_ps(sc[r] + k, _mm512_mul_ps(hv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, dp + k))));
+            if (wt->m) {
+                const uint16_t *mp = wt->m + row * wt->nb + b0;
+                __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mp + k));
+                _mm512_mask_storeu_ps(ym + k, mk, _mm512_fmadd_ps(hv, mv, _mm512_maskz_loadu_ps(mk, ym + k)));
+            }
+        }
+    }
+    const __m512i m4 = _mm512_set1_epi32(0x0F);
+    for (int64_t b = 0; b < nbc; b++) {
+        const int64_t c = (b0 + b) * 32;
+        const int full = c + 32 <= c1;
+        const __mmask16 k0 = lanes(c1 - c), k1 = lanes(c1 - c - 16);
+        __m512 y0 = full ? _mm512_loadu_ps(y + c) : _mm512_maskz_loadu_ps(k0, y + c);
+        __m512 y1 = full ? _mm512_loadu_ps(y + c + 16) : _mm512_maskz_loadu_ps(k1, y + c + 16);
+        for (int r = 0; r < R; r++) {
+            __m512 s = _mm512_set1_ps(sc[r][b]);
+            __m512i a, bb;
+            if (fmt == FMT_Q4) {
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 16 * (b0 + b))));
+                a = _mm512_and_si512(v, m4);
+                bb = _mm512_srli_epi32(v, 4);
+            } else {
+                a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 32 * (b0 + b))));
+                bb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 32 * (b0 + b) + 16)));
+            }
+            y0 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(a), y0);
+            y1 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(bb), y1);
+        }
+        if (full) {
+            _mm512_storeu_ps(y + c, y0);
+            _mm512_storeu_ps(y + c + 16, y1);
+        } else {
+            _mm512_mask_storeu_ps(y + c, k0, y0);
+            _mm512_mask_storeu_ps(y + c + 16, k1, y1);
+        }
+    }
+}
+
+#define AXPY_FN(name, body, R, FMT, ...) \
+    static __attribute__((noinline)) void name(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, \
+                                                int64_t c0, int64_t c1, float *y, float *ym) { \
+        (void)ym; body(wt, h, rows, j, R, FMT, c0, c1, y __VA_ARGS__); }
+AXPY_FN(ax_f32_4, axpy_f_rows, 4, FMT_F32)
+AXPY_FN(ax_f32_1, axpy_f_rows, 1, FMT_F32)
+AXPY_FN(ax_f16_4, axpy_f_rows, 4, FMT_F16)
+AXPY_FN(ax_f16_1, axpy_f_rows, 1, FMT_F16)
+AXPY_FN(ax_bf16_4, axpy_f_rows, 4, FMT_BF16)
+AXPY_FN(ax_bf16_1, axpy_f_rows, 1, FMT_BF16)
+AXPY_FN(ax_q8_4, axpy_q_rows, 4, FMT_Q8, , ym)
+AXPY_FN(ax_q8_1, axpy_q_rows, 1, FMT_Q8, , ym)
+AXPY_FN(ax_q4_4, axpy_q_rows, 4, FMT_Q4, , ym)
+AXPY_FN(ax_q4_1, axpy_q_rows, 1, FMT_Q4, , ym)
+
+typedef void (*axpy_fn)(const qmat_t *, const float *, const int32_t *, int64_t, int64_t, int64_t, float *, float *);
+static const axpy_fn AXPY[FMT_COUNT][2] = {
+    {ax_f32_4, ax_f32_1}, {ax_f16_4, ax_f16_1}, {ax_bf16_4, ax_bf16_1}, {ax_q8_4, ax_q8_1}, {ax_q4_4, ax_q4_1},
+};
+
+static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n,
+                 int64_t c0, int64_t c1, float *y) {
+    float ym[AXPY_MAXB + 16];
+    const int64_t nbc = (c1 - c0 + 31) / 32;
+    memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));
+    memset(ym, 0, sizeof ym);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) AXPY[wt->fmt][0](wt, h, rows, j, c0, c1, y, ym);
+    for (; j < n; j++) AXPY[wt->fmt][1](wt, h, rows, j, c0, c1, y, ym);
+    if (wt->fmt >= FMT_Q8 && wt->m) {
+        for (int64_t b = 0; b < nbc; b++) {
+            const int64_t c = c0 + 32 * b, e = c + 32 <= c1 ? c + 32 : c1;
+            __m512 mv = _mm512_set1_ps(ym[b]);
+            for (int64_t k = c; k < e; k += 16) {
+                __mmask16 mk = lanes(e - k);
+                _mm512_mask_storeu_ps(y + k, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, y + k), mv));
+            }
+        }
+    }
+}
+
+/* -------------------------------------------------------------------- bandwidth probe */
+
+static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 256 <= nbytes; i += 256) {
+        a0 = _mm512_add_epi64(a0, _mm512_loadu_si512(p + i));
+        a1 = _mm512_add_epi64(a1, _mm512_loadu_si512(p + i + 64));
+        a2 = _mm512_add_epi64(a2, _mm512_loadu_si512(p + i + 128));
+        a3 = _mm512_add_epi64(a3, _mm512_loadu_si512(p + i + 192));
+    }
+    uint64_t acc = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+    for (; i < nbytes; i++) acc += p[i];
+    return acc;
+}

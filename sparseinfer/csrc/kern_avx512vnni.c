@@ -1,0 +1,10 @@
+/* AVX-512 kernels with VNNI (VPDPBUSD); see kern_avx512_impl.h. */
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#define SI_VNNI 1
+#include "kern_avx512_impl.h"
+
+const kernels_t si_kernels_avx512vnni = {"avx512vnni", quantize, dot_q, dot_f, axpy, read_sum};
+#else
+typedef int si_empty_translation_unit;
+#endif

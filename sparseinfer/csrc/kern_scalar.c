@@ -1,0 +1,127 @@
+/* Portable scalar kernels: the fallback on CPUs without AVX2 (and on non-x86), and the
+ * definition of the activation quantizer that the SIMD versions reproduce bit for bit. */
+#include <math.h>
+#include "common.h"
+
+/* Quantize one block of 32 values (x beyond K count as 0): q, scale d, exact sum s. */
+static void quant_block(const float *x, int64_t n, int8_t *q32, float *d, float *s) {
+    float v[32], amax = 0.0f, sum = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        v[j] = j < n ? x[j] : 0.0f;
+        float a = fabsf(v[j]);
+        amax = a > amax ? a : amax;
+        sum += v[j];
+    }
+    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) q32[j] = (int8_t)lrintf(v[j] * id);
+    *d = amax / 127.0f;
+    *s = sum;
+}
+
+void si_fill_de(int layout, int64_t nb, const float *d, float *de) {
+    if (layout == XL_Q4) {
+        for (int64_t g = 0; g < nb / 4; g++)
+            for (int i = 0; i < 16; i++) de[g * 16 + i] = d[g * 4 + i / 4];
+    } else {
+        for (int64_t p = 0; p < nb / 2; p++)
+            for (int i = 0; i < 16; i++) de[p * 16 + i] = d[p * 2 + i / 8];
+    }
+}
+
+static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+    int64_t nb = kp / 32;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * K;
+        int8_t *q = xq->q + t * xq->q_stride;
+        float *d = xq->d + t * xq->d_stride, *s = xq->s + t * xq->d_stride;
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t q32[32];
+            int64_t n = K - b * 32;
+            quant_block(xt + b * 32, n < 32 ? n : 32, q32, &d[b], &s[b]);
+            for (int j = 0; j < 32; j++) q[si_xpos(xq->layout, nb, b, j)] = q32[j];
+        }
+        si_fill_de(xq->layout, nb, d, xq->de + t * xq->de_stride);
+    }
+}
+
+static inline int wq_at(const qmat_t *w, const uint8_t *row, int64_t b, int j) {
+    if (w->fmt == FMT_Q8) return (int8_t)row[b * 32 + j];
+    uint8_t byte = row[b * 16 + (j & 15)];
+    return j < 16 ? (byte & 15) : (byte >> 4);
+}
+
+static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const xq_t *xq, int64_t T, const yout_t *out) {
+    int64_t nb = w->nb;
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t r = si_row(rows, i);
+        const uint8_t *row = w->qs + r * w->row_bytes;
+        const uint16_t *dw = w->d + r * nb, *mw = w->m ? w->m + r * nb : NULL;
+        for (int64_t t = 0; t < T; t++) {
+            const int8_t *q = xq->q + t * xq->q_stride;
+            const float *dx = xq->d + t * xq->d_stride, *sx = xq->s + t * xq->d_stride;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int j = 0; j < 32; j++) isum += wq_at(w, row, b, j) * q[si_xpos(xq->layout, nb, b, j)];
+                acc += si_h2f(dw[b]) * dx[b] * (float)isum;
+                if (mw) acc += si_h2f(mw[b]) * sx[b];
+            }
+            out->y[i * out->ysr + t * out->yst] = acc;
+        }
+    }
+}
+
+static inline float wf_at(const qmat_t *w, const uint8_t *row, int64_t k) {
+    switch (w->fmt) {
+    case FMT_F32: { float f; memcpy(&f, row + 4 * k, 4); return f; }
+    case FMT_F16: { uint16_t h; memcpy(&h, row + 2 * k, 2); return si_h2f(h); }
+    default: { uint16_t h; memcpy(&h, row + 2 * k, 2); return si_bf2f(h); }
+    }
+}
+
+static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
+                  const float *x, int64_t xstride, int64_t T, const yout_t *out) {
+    for (int64_t i = i0; i < i1; i++) {
+        const uint8_t *row = w->qs + si_row(rows, i) * w->row_bytes;
+        for (int64_t t = 0; t < T; t++) {
+            const float *xt = x + t * xstride;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < w->cols; k++) acc += wf_at(w, row, k) * xt[k];
+            out->y[i * out->ysr + t * out->yst] = acc;
+        }
+    }
+}
+
+static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n,
+                 int64_t c0, int64_t c1, float *y) {
+    for (int64_t c = c0; c < c1; c++) y[c] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t r = rows[j];
+        const uint8_t *row = wt->qs + r * wt->row_bytes;
+        float hj = h[j];
+        if (wt->fmt <= FMT_BF16) {
+            for (int64_t c = c0; c < c1; c++) y[c] += hj * wf_at(wt, row, c);
+            continue;
+        }
+        const uint16_t *dw = wt->d + r * wt->nb, *mw = wt->m ? wt->m + r * wt->nb : NULL;
+        for (int64_t c = c0; c < c1; c++) {
+            int64_t b = c / 32;
+            float v = si_h2f(dw[b]) * (float)wq_at(wt, row, b, (int)(c & 31));
+            if (mw) v += si_h2f(mw[b]);
+            y[c] += hj * v;
+        }
+    }
+}
+
+static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
+    uint64_t acc = 0;
+    for (int64_t i = 0; i + 8 <= nbytes; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        acc += v;
+    }
+    return acc;
+}
+
+const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum};

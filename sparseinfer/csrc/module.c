@@ -1,0 +1,269 @@
+/* sparseinfer._cpu: thin CPython binding (METH_FASTCALL, data pointers passed as ints).
+ *
+ * The Python wrapper (sparseinfer/kernels/cpu.py) owns dtype/shape/contiguity checks; this
+ * layer checks what it can see (formats, sizes, null pointers, row ids in range) and raises
+ * ValueError rather than crashing.  A weight is passed as 6 ints: fmt, rows, cols, qs, d, m
+ * (d/m = 0 for None).  The GIL is released while kernels run. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ops.h"
+#include "pool.h"
+
+static int get_i64(PyObject *o, int64_t *v) {
+    long long x = PyLong_AsLongLong(o);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    *v = (int64_t)x;
+    return 0;
+}
+
+static int get_ptr(PyObject *o, void **p) {
+    void *x = PyLong_AsVoidPtr(o);
+    if (!x && PyErr_Occurred()) return -1;
+    *p = x;
+    return 0;
+}
+
+static int nargs_ok(Py_ssize_t n, Py_ssize_t want, const char *fn) {
+    if (n != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", fn, want, n);
+        return 0;
+    }
+    return 1;
+}
+
+/* args[0..5] -> qmat; accepts fmt == -1 as "no weight" when allow_none */
+static int get_qmat(PyObject *const *a, qmat_t *w, int allow_none, int *is_none) {
+    int64_t fmt, rows, cols;
+    void *qs, *d, *m;
+    if (get_i64(a[0], &fmt) || get_i64(a[1], &rows) || get_i64(a[2], &cols) || get_ptr(a[3], &qs) ||
+        get_ptr(a[4], &d) || get_ptr(a[5], &m))
+        return -1;
+    if (is_none) *is_none = 0;
+    if (allow_none && fmt == -1) {
+        *is_none = 1;
+        return 0;
+    }
+    if (si_qmat_init(w, (int)fmt, rows, cols, qs, d, m) != 0) {
+        PyErr_Format(PyExc_ValueError, "invalid weight descriptor (fmt=%lld rows=%lld cols=%lld, missing scales?)",
+                     (long long)fmt, (long long)rows, (long long)cols);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_rows(const int32_t *rows, int64_t n, int64_t limit) {
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= limit) {
+            PyErr_Format(PyExc_ValueError, "row id %d at position %lld is out of range [0, %lld)", rows[i],
+                         (long long)i, (long long)limit);
+            return -1;
+        }
+    return 0;
+}
+
+/* gemv(fmt, rows, cols, qs, d, m, x, y) */
+static PyObject *py_gemv(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    qmat_t w;
+    void *x, *y;
+    if (!nargs_ok(n, 8, "gemv") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &x) || get_ptr(a[7], &y)) return NULL;
+    if (w.rows == 0) Py_RETURN_NONE;
+    if (!x || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_gemv(&w, x, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* matmul(fmt, rows, cols, qs, d, m, X, M, Y) */
+static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    qmat_t w;
+    void *x, *y;
+    int64_t M;
+    if (!nargs_ok(n, 9, "matmul") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &x) || get_i64(a[7], &M) ||
+        get_ptr(a[8], &y))
+        return NULL;
+    if (M < 0) return PyErr_Format(PyExc_ValueError, "M must be >= 0");
+    if (M == 0 || w.rows == 0) Py_RETURN_NONE;
+    if (!x || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    if (M == 1) si_gemv(&w, x, y);
+    else si_matmul(&w, x, M, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* gemv_rows(fmt, rows, cols, qs, d, m, x, idx, n, y) */
+static PyObject *py_gemv_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t w;
+    void *x, *idx, *y;
+    int64_t n;
+    if (!nargs_ok(na, 10, "gemv_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &x) || get_ptr(a[7], &idx) ||
+        get_i64(a[8], &n) || get_ptr(a[9], &y))
+        return NULL;
+    if (n <= 0) Py_RETURN_NONE;
+    if (!x || !idx || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (check_rows(idx, n, w.rows)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    si_gemv_rows(&w, x, idx, n, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* axpy_rows(fmt, rows, cols, qs, d, m, h, idx, n, y) */
+static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t w;
+    void *h, *idx, *y;
+    int64_t n;
+    if (!nargs_ok(na, 10, "axpy_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &h) || get_ptr(a[7], &idx) ||
+        get_i64(a[8], &n) || get_ptr(a[9], &y))
+        return NULL;
+    if (!y) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (n > 0 && (!h || !idx)) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (n > 0 && check_rows(idx, n, w.rows)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    si_axpy_rows(&w, h, idx, n < 0 ? 0 : n, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* sparse_ffn(act, gate[6] (fmt -1 = none), up[6], down_t[6], x, idx, n, y) */
+static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t g, u, dn;
+    int64_t act, n;
+    int gnone;
+    void *x, *idx, *y;
+    if (!nargs_ok(na, 23, "sparse_ffn") || get_i64(a[0], &act) || get_qmat(a + 1, &g, 1, &gnone) ||
+        get_qmat(a + 7, &u, 0, NULL) || get_qmat(a + 13, &dn, 0, NULL) || get_ptr(a[19], &x) ||
+        get_ptr(a[20], &idx) || get_i64(a[21], &n) || get_ptr(a[22], &y))
+        return NULL;
+    if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
+    if (!gnone && (g.rows != u.rows || g.cols != u.cols))
+        return PyErr_Format(PyExc_ValueError, "gate and up shapes differ");
+    if (dn.rows != u.rows) return PyErr_Format(PyExc_ValueError, "down_t must have one row per neuron (%lld), has %lld",
+                                               (long long)u.rows, (long long)dn.rows);
+    if (!x || !y || (n > 0 && !idx)) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (n > 0 && check_rows(idx, n, u.rows)) return NULL;
+    if (n <= 0) {
+        memset(y, 0, (size_t)dn.cols * sizeof(float));
+        Py_RETURN_NONE;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    si_sparse_ffn((int)act, gnone ? NULL : &g, &u, &dn, x, idx, n, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* quantize(layout, x, K, q, d, s): test helper, the activation quantizer of the current level */
+static PyObject *py_quantize(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    int64_t layout, K;
+    void *x, *q, *d, *s;
+    if (!nargs_ok(na, 6, "quantize") || get_i64(a[0], &layout) || get_ptr(a[1], &x) || get_i64(a[2], &K) ||
+        get_ptr(a[3], &q) || get_ptr(a[4], &d) || get_ptr(a[5], &s))
+        return NULL;
+    if (K <= 0 || !x || !q || !d || !s || (layout != XL_NATURAL && layout != XL_Q4))
+        return PyErr_Format(PyExc_ValueError, "bad quantize arguments");
+    si_quantize((int)layout, x, K, q, d, s);
+    Py_RETURN_NONE;
+}
+
+/* read_seconds(ptr, nbytes, reps) -> seconds for `reps` full parallel passes */
+static PyObject *py_read_seconds(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p;
+    int64_t nbytes, reps;
+    double sec;
+    if (!nargs_ok(na, 3, "read_seconds") || get_ptr(a[0], &p) || get_i64(a[1], &nbytes) || get_i64(a[2], &reps))
+        return NULL;
+    if (!p || nbytes <= 0 || reps <= 0) return PyErr_Format(PyExc_ValueError, "bad read_seconds arguments");
+    Py_BEGIN_ALLOW_THREADS
+    sec = si_read_seconds(p, nbytes, (int)reps);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(sec);
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    if (v < 1) return PyErr_Format(PyExc_ValueError, "number of threads must be >= 1, got %ld", v);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = si_pool_set_threads((int)v);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) return PyErr_Format(PyExc_RuntimeError, "could not start %ld threads", v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) { return PyLong_FromLong(si_pool_get_threads()); }
+
+static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    si_pool_set_spin_us((int)v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_simd_level(PyObject *self, PyObject *unused) { return PyUnicode_FromString(si_level()); }
+
+static PyObject *py_set_simd_level(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    int rc = si_select(name);
+    if (rc == -1) return PyErr_Format(PyExc_ValueError, "unknown SIMD level %R", arg);
+    if (rc == -2) return PyErr_Format(PyExc_ValueError, "SIMD level %R is not supported by this CPU", arg);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_supported_levels(PyObject *self, PyObject *unused) {
+    PyObject *l = PyList_New(0);
+    if (!l) return NULL;
+    for (int i = 0; si_level_names[i]; i++)
+        if (si_level_supported(si_level_names[i])) {
+            PyObject *s = PyUnicode_FromString(si_level_names[i]);
+            if (!s || PyList_Append(l, s)) {
+                Py_XDECREF(s);
+                Py_DECREF(l);
+                return NULL;
+            }
+            Py_DECREF(s);
+        }
+    return l;
+}
+
+static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
+
+static PyMethodDef methods[] = {
+    {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(fmt, rows, cols, qs, d, m, x, y)"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(fmt, rows, cols, qs, d, m, X, M, Y)"},
+    {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(fmt, rows, cols, qs, d, m, x, idx, n, y)"},
+    {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(fmt, rows, cols, qs, d, m, h, idx, n, y)"},
+    {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*6, up*6, down_t*6, x, idx, n, y)"},
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},
+    {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
+    {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
+    {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
+    {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): how long idle workers spin before sleeping"},
+    {"simd_level", py_simd_level, METH_NOARGS, "simd_level()"},
+    {"set_simd_level", py_set_simd_level, METH_O, "set_simd_level(name): testing; one of supported_levels()"},
+    {"supported_levels", py_supported_levels, METH_NOARGS, "supported_levels()"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_cpu", "sparseinfer CPU kernels (C, SIMD)", -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu(void) {
+    PyObject *mod = PyModule_Create(&moddef);
+    if (!mod) return NULL;
+    PyModule_AddIntConstant(mod, "FMT_F32", FMT_F32);
+    PyModule_AddIntConstant(mod, "FMT_F16", FMT_F16);
+    PyModule_AddIntConstant(mod, "FMT_BF16", FMT_BF16);
+    PyModule_AddIntConstant(mod, "FMT_Q8", FMT_Q8);
+    PyModule_AddIntConstant(mod, "FMT_Q4", FMT_Q4);
+    PyModule_AddIntConstant(mod, "XL_NATURAL", XL_NATURAL);
+    PyModule_AddIntConstant(mod, "XL_Q4", XL_Q4);
+    PyModule_AddIntConstant(mod, "ACT_SILU", ACT_SILU);
+    PyModule_AddIntConstant(mod, "ACT_RELU", ACT_RELU);
+    PyModule_AddIntConstant(mod, "ACT_GELU", ACT_GELU);
+    PyModule_AddIntConstant(mod, "ACT_GELU_TANH", ACT_GELU_TANH);
+    return mod;
+}

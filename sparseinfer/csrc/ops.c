@@ -1,0 +1,414 @@
+/* Operations: activation quantization, work splitting and kernel selection.
+ *
+ * Determinism: every output element is produced by exactly one kernel call whose sequence of
+ * floating-point operations does not depend on the split (gemv/matmul/gemv_rows/sparse_ffn
+ * phase 1 split by output rows, axpy and sparse_ffn phase 2 split by output columns), so
+ * results are bit-identical across runs and thread counts. */
+#define _GNU_SOURCE
+#include "ops.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pool.h"
+
+/* ------------------------------------------------------------------ kernel selection */
+
+const char *const si_level_names[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    "avx512vnni", "avx512", "avx2",
+#endif
+    "scalar", NULL};
+
+static const kernels_t *table_of(const char *name) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (!strcmp(name, "avx512vnni")) return &si_kernels_avx512vnni;
+    if (!strcmp(name, "avx512")) return &si_kernels_avx512;
+    if (!strcmp(name, "avx2")) return &si_kernels_avx2;
+#endif
+    if (!strcmp(name, "scalar")) return &si_kernels_scalar;
+    return NULL;
+}
+
+int si_level_supported(const char *name) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (!strcmp(name, "avx512vnni")) return avx512 && __builtin_cpu_supports("avx512vnni");
+    if (!strcmp(name, "avx512")) return avx512;
+    if (!strcmp(name, "avx2")) return avx2;
+#endif
+    return !strcmp(name, "scalar");
+}
+
+static const kernels_t *KERN;
+
+static const kernels_t *kern(void) {
+    if (!KERN) {
+        const char *env = getenv("SPARSEINFER_SIMD");
+        if (env && table_of(env) && si_level_supported(env)) {
+            KERN = table_of(env);
+        } else {
+            for (int i = 0; si_level_names[i]; i++)
+                if (si_level_supported(si_level_names[i])) {
+                    KERN = table_of(si_level_names[i]);
+                    break;
+                }
+        }
+    }
+    return KERN;
+}
+
+const char *si_level(void) { return kern()->name; }
+
+int si_select(const char *name) {
+    const kernels_t *k = table_of(name);
+    if (!k) return -1;
+    if (!si_level_supported(name)) return -2;
+    KERN = k;
+    return 0;
+}
+
+int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m) {
+    if (fmt < 0 || fmt >= FMT_COUNT || rows < 0 || cols <= 0 || (!qs && rows > 0)) return -1;
+    w->fmt = fmt;
+    w->rows = rows;
+    w->cols = cols;
+    w->kp = (cols + 31) / 32 * 32;
+    w->nb = w->kp / 32;
+    w->qs = (const uint8_t *)qs;
+    w->d = (const uint16_t *)d;
+    w->m = (const uint16_t *)m;
+    switch (fmt) {
+    case FMT_F32: w->row_bytes = 4 * cols; break;
+    case FMT_F16: case FMT_BF16: w->row_bytes = 2 * cols; break;
+    case FMT_Q8: w->row_bytes = w->kp; break;
+    default: w->row_bytes = w->kp / 2; break;
+    }
+    if (fmt >= FMT_Q8 && !d && rows > 0) return -1;
+    if (fmt == FMT_Q4 && !m && rows > 0) return -1;
+    if (fmt < FMT_Q8) w->d = w->m = NULL;
+    return 0;
+}
+
+/* -------------------------------------------------------------------- scratch memory */
+
+/* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
+ * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction. */
+static _Thread_local struct { void *p; size_t n; } TLS[4];
+
+static void *scratch(int slot, size_t n) {
+    if (TLS[slot].n < n) {
+        free(TLS[slot].p);
+        n = (n + 4095) & ~(size_t)4095;
+        if (posix_memalign(&TLS[slot].p, 64, n) != 0) {
+            TLS[slot].p = NULL;
+            TLS[slot].n = 0;
+            return NULL;
+        }
+        TLS[slot].n = n;
+    }
+    return TLS[slot].p;
+}
+
+static int64_t up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+/* Layout T quantized token vectors of kp values in scratch slot `slot`. */
+static int xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
+    int64_t nb = kp / 32;
+    xq->layout = layout;
+    xq->q_stride = up(kp, 64);
+    xq->d_stride = up(nb, 16);
+    xq->de_stride = up(si_de_len(nb), 16);
+    size_t bytes = (size_t)T * (xq->q_stride + 4 * (2 * xq->d_stride + xq->de_stride)) + 256;
+    char *p = scratch(slot, bytes);
+    if (!p) return -1;
+    xq->q = (int8_t *)p;
+    xq->d = (float *)(p + T * xq->q_stride);
+    xq->s = xq->d + T * xq->d_stride;
+    xq->de = xq->s + T * xq->d_stride;
+    return 0;
+}
+
+static int layout_of(int fmt) { return fmt == FMT_Q4 ? XL_Q4 : XL_NATURAL; }
+
+/* ------------------------------------------------------------------------ splitting */
+
+static int64_t nthreads(void) { return si_pool_get_threads(); }
+
+/* Below this many weight bytes a call runs on the calling thread alone. */
+#define SERIAL_BYTES (48 * 1024)
+
+static void run(si_task_fn fn, void *ctx, int64_t nchunks, int64_t bytes) {
+    if (nchunks <= 1 || bytes < SERIAL_BYTES || nthreads() == 1) {
+        for (int64_t c = 0; c < nchunks; c++) fn(ctx, c);
+    } else {
+        si_pool_run(fn, ctx, nchunks);
+    }
+}
+
+/* Rows per chunk: a multiple of 4, about 4 chunks per thread, >= ~16 KB of weights. */
+static int64_t row_chunk(int64_t n, int64_t row_bytes) {
+    int64_t c = (n + 4 * nthreads() - 1) / (4 * nthreads());
+    int64_t minr = (16384 + row_bytes - 1) / (row_bytes ? row_bytes : 1);
+    if (c < minr) c = minr;
+    return up(c < 4 ? 4 : c, 4);
+}
+
+/* ------------------------------------------------------------------- dot-product ops */
+
+typedef struct {
+    const kernels_t *k;
+    const qmat_t *w;
+    const int32_t *rows;
+    int64_t n, chunk, T, tchunk;
+    const xq_t *xq;
+    const float *x;
+    int64_t xstride;
+    yout_t out;
+} dot_ctx;
+
+static void dot_task(void *p, int64_t c) {
+    const dot_ctx *a = p;
+    int64_t i0 = c * a->chunk, i1 = i0 + a->chunk < a->n ? i0 + a->chunk : a->n;
+    for (int64_t t0 = 0; t0 < a->T; t0 += a->tchunk) {
+        int64_t tn = a->T - t0 < a->tchunk ? a->T - t0 : a->tchunk;
+        yout_t o = {a->out.y + t0 * a->out.yst, a->out.ysr, a->out.yst};
+        if (a->xq) {
+            xq_t s = *a->xq;
+            s.q += t0 * s.q_stride;
+            s.d += t0 * s.d_stride;
+            s.s += t0 * s.d_stride;
+            s.de += t0 * s.de_stride;
+            a->k->dot_q(a->w, a->rows, i0, i1, &s, tn, &o);
+        } else {
+            a->k->dot_f(a->w, a->rows, i0, i1, a->x + t0 * a->xstride, a->xstride, tn, &o);
+        }
+    }
+}
+
+typedef struct {
+    const kernels_t *k;
+    const float *x;
+    int64_t K, kp, T, chunk;
+    const xq_t *xq;
+} quant_ctx;
+
+static void quant_task(void *p, int64_t c) {
+    const quant_ctx *a = p;
+    int64_t t0 = c * a->chunk, t1 = t0 + a->chunk < a->T ? t0 + a->chunk : a->T;
+    a->k->quantize(a->x, a->K, a->kp, t0, t1, a->xq);
+}
+
+/* y[i*ysr + t*yst] = W[rows[i]] . x_t for i < n, t < T. */
+static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, int64_t T,
+                 yout_t out, int xslot) {
+    const kernels_t *k = kern();
+    dot_ctx a = {k, w, rows, n, 0, T, T, NULL, x, w->cols, out};
+    xq_t xq;
+    if (w->fmt >= FMT_Q8) {
+        if (xq_alloc(&xq, xslot, layout_of(w->fmt), w->kp, T) != 0) abort();
+        if (T == 1) {
+            k->quantize(x, w->cols, w->kp, 0, 1, &xq);
+        } else {
+            quant_ctx q = {k, x, w->cols, w->kp, T, 8, &xq};
+            run(quant_task, &q, (T + 7) / 8, T * w->cols * 64);
+        }
+        a.xq = &xq;
+        /* keep a token chunk of quantized activations within ~256 KB (L2) */
+        a.tchunk = up(262144 / xq.q_stride, 4);
+    } else {
+        a.tchunk = up(262144 / (4 * w->cols), 4);
+    }
+    if (a.tchunk < 4) a.tchunk = 4;
+    if (T == 1) {
+        a.chunk = row_chunk(n, w->row_bytes);
+    } else {
+        /* matmul: row chunks small enough to stay in L2 while all tokens pass over them */
+        int64_t c = (n + 4 * nthreads() - 1) / (4 * nthreads());
+        int64_t maxr = 262144 / (w->row_bytes ? w->row_bytes : 1);
+        if (c > maxr) c = maxr;
+        a.chunk = up(c < 4 ? 4 : c, 4);
+    }
+    int64_t nchunks = (n + a.chunk - 1) / a.chunk;
+    run(dot_task, &a, nchunks, n * w->row_bytes * (T > 1 ? 64 : 1));
+}
+
+void si_gemv(const qmat_t *w, const float *x, float *y) {
+    yout_t o = {y, 1, 0};
+    dots(w, NULL, w->rows, x, 1, o, 0);
+}
+
+void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y) {
+    yout_t o = {Y, 1, w->rows};
+    dots(w, NULL, w->rows, X, M, o, 0);
+}
+
+void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y) {
+    yout_t o = {y, 1, 0};
+    dots(w, rows, n, x, 1, o, 0);
+}
+
+/* ----------------------------------------------------------------------------- axpy */
+
+typedef struct {
+    const kernels_t *k;
+    const qmat_t *wt;
+    const float *h;
+    const int32_t *rows;
+    int64_t n, width;
+    float *y;
+} axpy_ctx;
+
+static void axpy_task(void *p, int64_t c) {
+    const axpy_ctx *a = p;
+    int64_t c0 = c * a->width, c1 = c0 + a->width < a->wt->cols ? c0 + a->width : a->wt->cols;
+    a->k->axpy(a->wt, a->h, a->rows, a->n, c0, c1, a->y);
+}
+
+/* Drop rows whose coefficient is exactly 0 (ReLU models: many predicted-active neurons). */
+static int64_t compact(const float *h, const int32_t *rows, int64_t n, const float **ho, const int32_t **ro) {
+    int64_t nz = 0;
+    for (int64_t j = 0; j < n; j++) nz += h[j] == 0.0f;
+    *ho = h;
+    *ro = rows;
+    if (nz == 0) return n;
+    char *p = scratch(3, (size_t)(n - nz) * 8 + 64);
+    if (!p) abort();
+    float *hc = (float *)p;
+    int32_t *rc = (int32_t *)(p + 4 * (n - nz));
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++)
+        if (h[j] != 0.0f) {
+            hc[m] = h[j];
+            rc[m++] = rows[j];
+        }
+    *ho = hc;
+    *ro = rc;
+    return m;
+}
+
+void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y) {
+    const float *hc;
+    const int32_t *rc;
+    n = compact(h, rows, n, &hc, &rc);
+    /* column chunks: multiples of 128 columns, <= 2048 (kernel limit), ~2 per thread */
+    int64_t width = up((wt->cols + 2 * nthreads() - 1) / (2 * nthreads()), 128);
+    if (width > 2048) width = 2048;
+    axpy_ctx a = {kern(), wt, hc, rc, n, width, y};
+    int64_t nchunks = (wt->cols + width - 1) / width;
+    run(axpy_task, &a, nchunks, n * wt->row_bytes);
+}
+
+/* ------------------------------------------------------------------------ sparse FFN */
+
+static inline float act_apply(int act, float v) {
+    switch (act) {
+    case ACT_SILU: return v / (1.0f + expf(-v));
+    case ACT_RELU: return v > 0.0f ? v : 0.0f;
+    case ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    default: return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    }
+}
+
+typedef struct {
+    const kernels_t *k;
+    int act;
+    const qmat_t *gate, *up;
+    const xq_t *xg, *xu;
+    const float *x;
+    const int32_t *rows;
+    int64_t n, chunk;
+    float *g, *h;
+} ffn_ctx;
+
+static void ffn_dot(const kernels_t *k, const qmat_t *w, const xq_t *xq, const float *x,
+                    const int32_t *rows, int64_t i0, int64_t i1, float *y) {
+    yout_t o = {y, 1, 0};
+    if (w->fmt >= FMT_Q8) k->dot_q(w, rows, i0, i1, xq, 1, &o);
+    else k->dot_f(w, rows, i0, i1, x, w->cols, 1, &o);
+}
+
+static void ffn_task(void *p, int64_t c) {
+    const ffn_ctx *a = p;
+    int64_t i0 = c * a->chunk, i1 = i0 + a->chunk < a->n ? i0 + a->chunk : a->n;
+    ffn_dot(a->k, a->up, a->xu, a->x, a->rows, i0, i1, a->h);
+    if (a->gate) {
+        ffn_dot(a->k, a->gate, a->xg, a->x, a->rows, i0, i1, a->g);
+        for (int64_t i = i0; i < i1; i++) a->h[i] *= act_apply(a->act, a->g[i]);
+    } else {
+        for (int64_t i = i0; i < i1; i++) a->h[i] = act_apply(a->act, a->h[i]);
+    }
+}
+
+void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t *down_t,
+                   const float *x, const int32_t *rows, int64_t n, float *y) {
+    const kernels_t *k = kern();
+    xq_t xu, xg;
+    if (upm->fmt >= FMT_Q8) {
+        if (xq_alloc(&xu, 0, layout_of(upm->fmt), upm->kp, 1) != 0) abort();
+        k->quantize(x, upm->cols, upm->kp, 0, 1, &xu);
+    }
+    const xq_t *pxg = &xu;
+    if (gate && gate->fmt >= FMT_Q8 && (upm->fmt < FMT_Q8 || layout_of(gate->fmt) != layout_of(upm->fmt))) {
+        if (xq_alloc(&xg, 1, layout_of(gate->fmt), gate->kp, 1) != 0) abort();
+        k->quantize(x, gate->cols, gate->kp, 0, 1, &xg);
+        pxg = &xg;
+    }
+    float *tmp = scratch(2, (size_t)(2 * n + 32) * sizeof(float));
+    if (!tmp) abort();
+    ffn_ctx a = {k, act, gate, upm, pxg, &xu, x, rows, n, 0, tmp, tmp + n + 16};
+    int64_t rb = upm->row_bytes + (gate ? gate->row_bytes : 0);
+    a.chunk = row_chunk(n, rb);
+    run(ffn_task, &a, (n + a.chunk - 1) / a.chunk, n * rb);
+    si_axpy_rows(down_t, a.h, rows, n, y);
+}
+
+/* ------------------------------------------------------------------ helpers for tests */
+
+void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    int64_t kp = (K + 31) / 32 * 32;
+    xq_t xq;
+    if (xq_alloc(&xq, 0, layout, kp, 1) != 0) abort();
+    kern()->quantize(x, K, kp, 0, 1, &xq);
+    memcpy(q, xq.q, (size_t)kp);
+    memcpy(d, xq.d, (size_t)(kp / 32) * sizeof(float));
+    memcpy(s, xq.s, (size_t)(kp / 32) * sizeof(float));
+}
+
+/* ------------------------------------------------------------------- bandwidth probe */
+
+typedef struct {
+    const kernels_t *k;
+    const uint8_t *p;
+    int64_t nbytes, chunk;
+    uint64_t sink[256];
+} read_ctx;
+
+static void read_task(void *p, int64_t c) {
+    read_ctx *a = p;
+    int64_t i0 = c * a->chunk, i1 = i0 + a->chunk < a->nbytes ? i0 + a->chunk : a->nbytes;
+    a->sink[c & 255] += a->k->read_sum(a->p + i0, i1 - i0);
+}
+
+double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps) {
+    static volatile uint64_t keep;
+    read_ctx *a = calloc(1, sizeof *a);
+    if (!a) abort();
+    a->k = kern();
+    a->p = p;
+    a->nbytes = nbytes;
+    a->chunk = up((nbytes + 16 * nthreads() - 1) / (16 * nthreads()), 4096);
+    int64_t nchunks = (nbytes + a->chunk - 1) / a->chunk;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int r = 0; r < reps; r++) si_pool_run(read_task, a, nchunks);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    for (int i = 0; i < 256; i++) keep += a->sink[i];
+    free(a);
+    return (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+}

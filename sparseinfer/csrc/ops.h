@@ -1,0 +1,22 @@
+/* Threaded operations on top of one kernel table (chosen at run time); see ops.c. */
+#ifndef SI_OPS_H
+#define SI_OPS_H
+#include "common.h"
+
+const char *si_level(void);
+int si_select(const char *name);              /* 0 ok, -1 unknown name, -2 not supported here */
+int si_level_supported(const char *name);     /* 1 / 0 */
+extern const char *const si_level_names[];    /* best first, NULL-terminated */
+
+int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m);
+
+void si_gemv(const qmat_t *w, const float *x, float *y);
+void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y);
+void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y);
+void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y);
+void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,
+                   const float *x, const int32_t *rows, int64_t n, float *y);
+void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, float *s);
+double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps);
+
+#endif

@@ -1,0 +1,209 @@
+"""Fast CPU kernels: quantized dense and activation-sparse products (C, SIMD, threads).
+
+A thin wrapper over the compiled extension `sparseinfer._cpu` (sources in
+`sparseinfer/csrc`): checks the inputs, then passes data pointers.  The extension picks
+AVX-512 VNNI / AVX-512 / AVX2 / scalar kernels at run time (`simd_level()`), runs them on its
+own thread pool (`set_num_threads`), and gives bit-identical results across runs and thread
+counts.  Integer formats quantize x to 8 bits per block of 32; the accuracy contract is in
+`sparseinfer.kernels.reference`.  Without the compiled extension every function falls back
+to the reference (with one warning).
+
+All inputs are CPU tensors; x float32; row ids int32 (int64 is converted); outputs float32.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from sparseinfer.kernels import reference
+from sparseinfer.quant import FORMATS, QWeight
+
+try:
+    from sparseinfer import _cpu
+except ImportError as e:  # no compiler at install time
+    _cpu = None
+    _IMPORT_ERROR = e
+
+__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "set_num_threads",
+           "get_num_threads", "simd_level", "available"]
+
+_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
+_ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
+_QS_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+             "q8": torch.int8, "q4": torch.uint8}
+_F32 = torch.float32
+_I32 = torch.int32
+_warned = False
+
+
+def available() -> bool:
+    """True when the compiled kernels are in use (False: reference fallback)."""
+    return _cpu is not None
+
+
+def _fallback() -> bool:
+    global _warned
+    if _cpu is None:
+        if not _warned:
+            warnings.warn(f"sparseinfer._cpu is not built ({_IMPORT_ERROR}); using the slow reference "
+                          "kernels. Reinstall with a C compiler (gcc) available.", RuntimeWarning, stacklevel=3)
+            _warned = True
+        return True
+    return False
+
+
+def _desc(w: QWeight) -> tuple:
+    """(fmt, rows, cols, qs_ptr, d_ptr, m_ptr), cached on the QWeight after checking it once."""
+    cache = w.__dict__.get("_cpu_desc")
+    if cache is not None and cache[0] is w.qs and cache[1] is w.d and cache[2] is w.m:
+        return cache[3]
+    if not isinstance(w, QWeight):
+        raise ValueError(f"expected a QWeight, got {type(w).__name__}")
+    if w.fmt not in _FMT:
+        raise ValueError(f"unknown weight format {w.fmt!r}; expected one of {FORMATS}")
+    kp = (w.cols + 31) // 32 * 32
+    shapes = {"f32": (w.rows, w.cols), "f16": (w.rows, w.cols), "bf16": (w.rows, w.cols),
+              "q8": (w.rows, kp), "q4": (w.rows, kp // 2)}
+    _check_tensor(w.qs, f"{w.fmt} weight qs", _QS_DTYPE[w.fmt], shapes[w.fmt])
+    d = m = 0
+    if w.fmt in ("q8", "q4"):
+        if w.d is None:
+            raise ValueError(f"{w.fmt} weight needs scales d")
+        _check_tensor(w.d, "scales d", torch.float16, (w.rows, kp // 32))
+        d = w.d.data_ptr()
+        if w.m is not None:
+            _check_tensor(w.m, "mins m", torch.float16, (w.rows, kp // 32))
+            m = w.m.data_ptr()
+        elif w.fmt == "q4":
+            raise ValueError("q4 weight needs mins m")
+    desc = (_FMT[w.fmt], w.rows, w.cols, w.qs.data_ptr(), d, m)
+    w.__dict__["_cpu_desc"] = (w.qs, w.d, w.m, desc)
+    return desc
+
+
+def _check_tensor(t, what, dtype, shape):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} must be on the CPU, is on {t.device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{what} must be {dtype}, is {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _vec(x, n, what="x"):
+    """x as a contiguous float32 CPU vector of length n."""
+    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or x.device.type != "cpu":
+        raise ValueError(f"{what} must be a float32 CPU tensor, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', '?')}")
+    if x.dim() != 1 or x.shape[0] != n:
+        raise ValueError(f"{what} must have shape ({n},), has {tuple(x.shape)}")
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _rows(rows):
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.device.type != "cpu":
+        raise ValueError("rows must be a 1-D CPU tensor of row ids")
+    if rows.dtype != _I32:
+        if rows.dtype not in (torch.int64, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"rows must be int32 (or another integer type), is {rows.dtype}")
+        rows = rows.to(_I32)
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[N] = W x."""
+    if _fallback():
+        return reference.gemv(w, x)
+    desc = _desc(w)
+    x = _vec(x, w.cols)
+    y = torch.empty(w.rows, dtype=_F32) if out is None else _vec(out, w.rows, "out")
+    _cpu.gemv(*desc, x.data_ptr(), y.data_ptr())
+    return y
+
+
+def matmul(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """Y[M, N] = X W^T for X (M, K); M == 1 runs the gemv path."""
+    if _fallback():
+        return reference.matmul(w, x)
+    desc = _desc(w)
+    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or x.device.type != "cpu":
+        raise ValueError("X must be a float32 CPU tensor")
+    if x.dim() != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"X must have shape (M, {w.cols}), has {tuple(x.shape)}")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.rows, dtype=_F32)
+    _cpu.matmul(*desc, x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
+def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y[j] = W[rows[j]] . x (row ids may repeat and come in any order)."""
+    if _fallback():
+        return reference.gemv_rows(w, x, rows)
+    desc = _desc(w)
+    x = _vec(x, w.cols)
+    rows = _rows(rows)
+    n = rows.shape[0]
+    y = torch.empty(n, dtype=_F32)
+    _cpu.gemv_rows(*desc, x.data_ptr(), rows.data_ptr(), n, y.data_ptr())
+    return y
+
+
+def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y[wt.cols] = sum_j h[j] * Wt[rows[j]] (Wt: neuron-major transposed down projection)."""
+    if _fallback():
+        return reference.axpy_rows(wt, h, rows)
+    desc = _desc(wt)
+    rows = _rows(rows)
+    n = rows.shape[0]
+    h = _vec(h, n, "h")
+    y = torch.empty(wt.cols, dtype=_F32)
+    _cpu.axpy_rows(*desc, h.data_ptr(), rows.data_ptr(), n, y.data_ptr())
+    return y
+
+
+_NO_GATE = (-1, 0, 0, 0, 0, 0)
+
+
+def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeight,
+               rows: torch.Tensor, act: str) -> torch.Tensor:
+    """FFN of one token over the active neurons `rows`.
+
+    h_i = act(gate_i . x) * (up_i . x)  (or act(up_i . x) when gate is None), then
+    y[d_model] = sum_i h_i * down_t[i].  act: silu, relu, gelu (erf), gelu_tanh."""
+    if act not in _ACT:
+        raise ValueError(f"unknown activation {act!r}; expected one of {tuple(_ACT)}")
+    if _fallback():
+        return reference.sparse_ffn(x, gate, up, down_t, rows, act)
+    du, dd = _desc(up), _desc(down_t)
+    dg = _NO_GATE if gate is None else _desc(gate)
+    if gate is not None and gate.shape != up.shape:
+        raise ValueError(f"gate {gate.shape} and up {up.shape} shapes differ")
+    if down_t.rows != up.rows:
+        raise ValueError(f"down_t must be neuron-major ({up.rows}, d_model), has shape {down_t.shape}")
+    x = _vec(x, up.cols)
+    rows = _rows(rows)
+    y = torch.empty(down_t.cols, dtype=_F32)
+    _cpu.sparse_ffn(_ACT[act], *dg, *du, *dd, x.data_ptr(), rows.data_ptr(), rows.shape[0], y.data_ptr())
+    return y
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the kernels (default: CPUs available to the process, or
+    $SPARSEINFER_NUM_THREADS)."""
+    if _cpu is not None:
+        _cpu.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    return _cpu.get_num_threads() if _cpu is not None else 1
+
+
+def simd_level() -> str:
+    """'avx512vnni', 'avx512', 'avx2', 'scalar' (compiled kernels) or 'reference' (fallback)."""
+    return _cpu.simd_level() if _cpu is not None else "reference"

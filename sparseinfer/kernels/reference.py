@@ -1,0 +1,120 @@
+"""Slow, obviously correct kernels: torch on `w.dequantize()`.
+
+Same signatures as `sparseinfer.kernels.cpu`; they define what the fast kernels compute.
+
+Accuracy contract of the fast kernels against these:
+
+- float formats (f32/f16/bf16): weights are converted exactly to f32 and multiplied in f32,
+  so only the summation order differs: ``|y - ref| <= 1e-5 * sum_k |w_k x_k|`` (+ 1e-30).
+  For q8/q4 the same relative term uses ``|d*q| + |m|`` in place of ``|w|`` (`magnitude`),
+  since the kernels add the two parts separately and they can cancel.
+- integer formats (q8/q4): the fast kernels quantize the activation x per block of 32 to
+  int8 (`quantize_activation`: scale ``d = amax/127``, ``q = round(x/d)``) and keep the exact
+  f32 block sums for the ``m`` term, so each x value is off by at most ``d/2``:
+  ``|y - ref| <= sum_b (d_b / 2) * sum_{k in b} |w_k|  +  1e-5 * sum_k |w_k x_k|``.
+  Against `gemv_emulated` (the same arithmetic with the rounding of x reproduced) the
+  difference is only summation order, like the float formats.
+- `axpy_rows` never quantizes its coefficients h: float contract for every format.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparseinfer.quant import BLOCK, QWeight, padded, unpack_nibbles
+
+ACTIVATIONS = ("silu", "relu", "gelu", "gelu_tanh")
+
+
+def activation(name: str, v: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(v)
+    if name == "relu":
+        return F.relu(v)
+    if name == "gelu":
+        return F.gelu(v)
+    if name == "gelu_tanh":
+        return F.gelu(v, approximate="tanh")
+    raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
+
+
+def gemv(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """y[N] = W x."""
+    return w.dequantize() @ x.float()
+
+
+def matmul(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """Y[M, N] = X W^T."""
+    return x.float() @ w.dequantize().T
+
+
+def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y[j] = W[rows[j]] . x."""
+    return w.dequantize()[rows.long()] @ x.float()
+
+
+def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y[wt.cols] = sum_j h[j] * Wt[rows[j]]."""
+    return h.float() @ wt.dequantize()[rows.long()]
+
+
+def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeight,
+               rows: torch.Tensor, act: str) -> torch.Tensor:
+    """FFN restricted to neurons `rows`: h = act(gate x) * (up x) (or act(up x)), y = h @ down_t."""
+    u = gemv_rows(up, x, rows)
+    h = activation(act, u) if gate is None else activation(act, gemv_rows(gate, x, rows)) * u
+    return axpy_rows(down_t, h, rows)
+
+
+# ---------------------------------------------------------------- integer-format emulation
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' 8-bit activation quantizer: (q int8 (Kp,), d f32 (nb,), s f32 (nb,)).
+
+    Per block of 32 (x padded with zeros): d = amax/127, q = round(x * (127/amax)) (ties to
+    even), s = exact sum of the block (used for the ``m`` term)."""
+    x = x.float().reshape(-1)
+    kp = padded(x.numel())
+    xp = torch.zeros(kp)
+    xp[: x.numel()] = x
+    b = xp.view(-1, BLOCK)
+    amax = b.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv[:, None]).to(torch.int8)
+    return q.reshape(kp), amax / 127.0, b.sum(-1)
+
+
+def gemv_emulated(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """y = W x for q8/q4 with x rounded exactly as the fast kernels do (float64 result)."""
+    q, d, s = quantize_activation(x)
+    xdq = (q.double().view(-1, BLOCK) * d.double()[:, None])  # (nb, 32)
+    wq = (w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()).view(w.rows, -1, BLOCK)
+    y = torch.einsum("rbk,bk,rb->r", wq, xdq, w.d.double())
+    if w.m is not None:
+        y = y + w.m.double() @ s.double()
+    return y
+
+
+def magnitude(w: QWeight) -> torch.Tensor:
+    """(rows, cols) float64 |d*q| + |m| (|w| for float formats): the size of the terms a
+    kernel adds, which is what rounding errors scale with (d*q and m can cancel)."""
+    if w.fmt not in ("q8", "q4"):
+        return w.dequantize().double().abs()
+    q = w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()
+    a = (q.view(w.rows, -1, BLOCK) * w.d.double()[..., None]).abs()
+    if w.m is not None:
+        a = a + w.m.double().abs()[..., None]
+    return a.reshape(w.rows, -1)[:, : w.cols]
+
+
+def error_bound(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """Per-row bound of |fast - reference| for gemv, from the contract above (float64)."""
+    xd = x.double().reshape(-1)
+    fl = 1e-5 * (magnitude(w) @ xd.abs()) + 1e-30
+    if w.fmt not in ("q8", "q4"):
+        return fl
+    _, d, _ = quantize_activation(x)
+    kp = padded(w.cols)
+    wa = torch.zeros(w.rows, kp, dtype=torch.float64)
+    wa[:, : w.cols] = w.dequantize().double().abs()
+    return wa.view(w.rows, -1, BLOCK).sum(-1) @ (d.double() / 2) + fl

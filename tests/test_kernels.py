@@ -1,0 +1,322 @@
+"""Fast CPU kernels (sparseinfer.kernels.cpu) against the reference, on every SIMD level the
+machine supports: random and edge-case shapes, every weight format, determinism across runs
+and thread counts, and input validation.  The accuracy contract is documented in
+sparseinfer/kernels/reference.py."""
+import warnings
+
+import pytest
+import torch
+
+from sparseinfer.kernels import cpu
+from sparseinfer.kernels import reference as ref
+from sparseinfer.quant import QWeight, from_float, padded
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels not built")
+
+FORMATS = ["f32", "f16", "bf16", "q8", "q8m", "q4"]
+LEVELS = cpu._cpu.supported_levels() if cpu.available() else []
+SHAPES = [(1, 1), (5, 7), (13, 33), (37, 100), (64, 256), (9, 1000), (6, 4096 + 96)]
+
+
+def make_weight(fmt, rows, cols, seed=0):
+    """Random weight in `fmt`; 'q8m' is q8 with the optional per-block min m."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g)
+    if fmt != "q8m":
+        return from_float(w, fmt)
+    q = from_float(w, "q8")
+    m = (torch.randn(q.d.shape, generator=g) * 0.1).to(torch.float16)
+    return QWeight("q8", rows, cols, q.qs, q.d, m)
+
+
+def rand(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    old = cpu.simd_level()
+    cpu._cpu.set_simd_level(request.param)
+    yield request.param
+    cpu._cpu.set_simd_level(old)
+
+
+@pytest.fixture
+def threads():
+    old = cpu.get_num_threads()
+    yield cpu.set_num_threads
+    cpu.set_num_threads(old)
+
+
+def assert_gemv_close(w, x, y):
+    """y (fast) vs the exact reference within the contract; integer formats also vs the
+    emulation of their 8-bit activation rounding, where only summation order differs."""
+    err = (y.double() - ref.gemv(w, x).double()).abs()
+    bound = ref.error_bound(w, x)
+    assert bool((err <= bound).all()), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+    if w.fmt in ("q8", "q4"):
+        tight = 1e-5 * (ref.magnitude(w) @ x.double().abs()) + 1e-30
+        err2 = (y.double() - ref.gemv_emulated(w, x)).abs()
+        assert bool((err2 <= tight).all()), f"vs emulation: {(err2 / tight).max():.3g}x the tolerance"
+
+
+# ------------------------------------------------------------------------------- gemv
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_matches_reference(level, fmt):
+    for i, (n, k) in enumerate(SHAPES):
+        w = make_weight(fmt, n, k, seed=i)
+        x = rand(k, seed=100 + i) * (1 + i)
+        assert_gemv_close(w, x, cpu.gemv(w, x))
+
+
+def test_gemv_q8_extreme_values(level):
+    """int8 -128 (GGUF data may hold it), zero blocks, zero x blocks, huge range."""
+    rows, cols = 8, 96
+    qs = torch.randint(-128, 128, (rows, cols), dtype=torch.int8)
+    qs[0] = -128
+    qs[1] = 127
+    d = (torch.rand(rows, 3) + 0.01).to(torch.float16)
+    d[2] = 0
+    w = QWeight("q8", rows, cols, qs, d, None)
+    x = rand(cols)
+    x[32:64] = 0
+    x[0] = 1e4
+    assert_gemv_close(w, x, cpu.gemv(w, x))
+
+
+def test_gemv_out_and_empty_weight():
+    w = make_weight("q4", 16, 64)
+    x = rand(64)
+    out = torch.empty(16)
+    assert cpu.gemv(w, x, out=out) is out
+    assert torch.equal(out, cpu.gemv(w, x))
+    assert cpu.gemv(make_weight("q4", 0, 64), x).shape == (0,)
+
+
+# ----------------------------------------------------------------------------- matmul
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_matches_gemv_bitwise(level, fmt):
+    """Each row of matmul is computed exactly like gemv of that token."""
+    for i, (n, k, m) in enumerate([(13, 33, 2), (37, 100, 5), (64, 256, 9), (9, 1000, 17)]):
+        w = make_weight(fmt, n, k, seed=i)
+        xs = rand(m, k, seed=200 + i)
+        y = cpu.matmul(w, xs)
+        assert y.shape == (m, n)
+        for t in range(m):
+            assert torch.equal(y[t], cpu.gemv(w, xs[t])), (t, n, k, m)
+        assert_gemv_close(w, xs[m - 1], y[m - 1])
+
+
+def test_matmul_edge_cases():
+    w = make_weight("q4", 20, 70)
+    assert cpu.matmul(w, torch.empty(0, 70)).shape == (0, 20)
+    x = rand(1, 70)
+    assert torch.equal(cpu.matmul(w, x)[0], cpu.gemv(w, x[0]))
+    xt = rand(70, 6).T  # non-contiguous input is accepted
+    assert torch.equal(cpu.matmul(w, xt), cpu.matmul(w, xt.contiguous()))
+
+
+def test_matmul_large_prefill_shape():
+    w = make_weight("q4", 96, 640)
+    xs = rand(130, 640)
+    y = cpu.matmul(w, xs)
+    for t in (0, 63, 64, 129):
+        assert torch.equal(y[t], cpu.gemv(w, xs[t]))
+    err = (y.double() - ref.matmul(w, xs).double()).abs()
+    assert float(err.max()) < 0.05 * float(y.abs().max())
+
+
+# -------------------------------------------------------------------------- gemv_rows
+
+def row_sets(n, g):
+    return {
+        "empty": torch.empty(0, dtype=torch.int32),
+        "one": torch.tensor([n - 1], dtype=torch.int32),
+        "all": torch.arange(n, dtype=torch.int32),
+        "sorted_half": torch.sort(torch.randperm(n, generator=g)[: max(1, n // 2)])[0].int(),
+        "unsorted_dups": torch.randint(0, n, (n + 3,), generator=g, dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_rows(level, fmt):
+    g = torch.Generator().manual_seed(3)
+    for i, (n, k) in enumerate(SHAPES):
+        w = make_weight(fmt, n, k, seed=i)
+        x = rand(k, seed=i)
+        dense = cpu.gemv(w, x)
+        for name, rows in row_sets(n, g).items():
+            y = cpu.gemv_rows(w, x, rows)
+            assert y.shape == rows.shape
+            # a row is computed the same way whichever kernel reads it
+            assert torch.equal(y, dense[rows.long()]), (name, n, k)
+    rows64 = torch.tensor([0, 2, 1])
+    w = make_weight(fmt, 3, 40)
+    x = rand(40)
+    assert torch.equal(cpu.gemv_rows(w, x, rows64), cpu.gemv_rows(w, x, rows64.int()))
+
+
+# -------------------------------------------------------------------------- axpy_rows
+
+def assert_axpy_close(wt, h, rows, y):
+    r = ref.axpy_rows(wt, h, rows).double()
+    scale = h.double().abs() @ ref.magnitude(wt)[rows.long()] if rows.numel() else torch.zeros(wt.cols)
+    assert bool(((y.double() - r).abs() <= 1e-5 * scale + 1e-30).all())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_axpy_rows(level, fmt):
+    g = torch.Generator().manual_seed(4)
+    for i, (n, k) in enumerate(SHAPES + [(40, 4200), (7, 2048 + 32)]):
+        wt = make_weight(fmt, n, k, seed=i)
+        for name, rows in row_sets(n, g).items():
+            h = rand(rows.numel(), seed=i)
+            if rows.numel() > 2:
+                h[1] = 0.0  # zero coefficients are skipped
+            y = cpu.axpy_rows(wt, h, rows)
+            assert y.shape == (k,)
+            if name == "empty":
+                assert torch.equal(y, torch.zeros(k))
+            assert_axpy_close(wt, h, rows, y)
+
+
+# ------------------------------------------------------------------------- sparse_ffn
+
+def ffn_expected(x, gate, up, down_t, rows, act):
+    """float64 FFN over `rows` where integer-format projections see x rounded like the kernels."""
+    def proj(w):
+        if w.fmt in ("q8", "q4"):
+            return ref.gemv_emulated(w, x)[rows.long()]
+        return w.dequantize().double()[rows.long()] @ x.double()
+    u = proj(up)
+    h = ref.activation(act, u) if gate is None else ref.activation(act, proj(gate)) * u
+    dn = down_t.dequantize().double()[rows.long()]
+    return h @ dn, h.abs() @ ref.magnitude(down_t)[rows.long()]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act", ["silu", "relu", "gelu", "gelu_tanh"])
+def test_sparse_ffn(level, fmt, act):
+    g = torch.Generator().manual_seed(5)
+    for i, (d_model, d_ff) in enumerate([(32, 64), (100, 37), (96, 300)]):
+        gated = i != 1
+        gate = make_weight(fmt, d_ff, d_model, seed=10 + i) if gated else None
+        up = make_weight(fmt, d_ff, d_model, seed=20 + i)
+        down_t = make_weight(fmt, d_ff, d_model, seed=30 + i)
+        x = rand(d_model, seed=i) * 0.5
+        for name, rows in row_sets(d_ff, g).items():
+            y = cpu.sparse_ffn(x, gate, up, down_t, rows, act)
+            assert y.shape == (d_model,)
+            if name == "empty":
+                assert torch.equal(y, torch.zeros(d_model))
+                continue
+            exp, scale = ffn_expected(x, gate, up, down_t, rows, act)
+            err = (y.double() - exp).abs()
+            assert bool((err <= 1e-4 * scale + 1e-6).all()), (name, float(err.max()))
+
+
+def test_sparse_ffn_mixed_formats():
+    gate, up, down_t = make_weight("q8", 64, 96, 1), make_weight("q4", 64, 96, 2), make_weight("bf16", 64, 96, 3)
+    x, rows = rand(96), torch.arange(0, 64, 3, dtype=torch.int32)
+    exp, scale = ffn_expected(x, gate, up, down_t, rows, "silu")
+    y = cpu.sparse_ffn(x, gate, up, down_t, rows, "silu")
+    assert bool(((y.double() - exp).abs() <= 1e-4 * scale + 1e-6).all())
+
+
+def test_sparse_ffn_all_rows_equals_dense_composition():
+    gate, up, down_t = (make_weight("q4", 128, 64, s) for s in (1, 2, 3))
+    x, rows = rand(64), torch.arange(128, dtype=torch.int32)
+    y = cpu.sparse_ffn(x, gate, up, down_t, rows, "relu")
+    h = torch.relu(cpu.gemv(gate, x)) * cpu.gemv(up, x)
+    assert torch.equal(y, cpu.axpy_rows(down_t, h, rows))
+
+
+# -------------------------------------------------------------------------- quantizer
+
+def test_activation_quantizer_matches_reference(level):
+    for k in (1, 31, 32, 100, 4096 + 17):
+        x = rand(k, seed=k) * 3
+        x[0] = 0.5  # includes exact ties after scaling in some blocks
+        kp = padded(k)
+        q, d, s = torch.empty(kp, dtype=torch.int8), torch.empty(kp // 32), torch.empty(kp // 32)
+        cpu._cpu.quantize(cpu._cpu.XL_NATURAL, x.data_ptr(), k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+        rq, rd, rs = ref.quantize_activation(x)
+        assert torch.equal(q, rq) and torch.equal(d, rd)
+        assert torch.allclose(s, rs, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------ determinism
+
+def all_results(seed=0):
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for fmt in ("q4", "q8", "f16", "bf16", "f32"):
+        w = make_weight(fmt, 512, 1000, seed=1)
+        wt = make_weight(fmt, 512, 1000, seed=2)
+        x = rand(1000, seed=3)
+        rows = torch.sort(torch.randperm(512, generator=g)[:300])[0].int()
+        out += [cpu.gemv(w, x), cpu.matmul(w, rand(9, 1000, seed=4)), cpu.gemv_rows(w, x, rows),
+                cpu.axpy_rows(wt, rand(300, seed=5), rows),
+                cpu.sparse_ffn(x, w, make_weight(fmt, 512, 1000, seed=6), wt, rows, "silu")]
+    return out
+
+
+def test_bit_identical_across_runs_and_threads(threads):
+    threads(1)
+    base = all_results()
+    for n in (1, 2, 3, 2):
+        threads(n)
+        assert cpu.get_num_threads() == n
+        for a, b in zip(base, all_results()):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------- validation
+
+def test_bad_inputs_raise_value_error():
+    w = make_weight("q4", 16, 64)
+    x = rand(64)
+    rows = torch.tensor([0, 3], dtype=torch.int32)
+    bad = [
+        lambda: cpu.gemv(w, rand(63)),
+        lambda: cpu.gemv(w, x.double()),
+        lambda: cpu.gemv(w, rand(2, 32)),
+        lambda: cpu.gemv(QWeight("q5", 16, 64, w.qs, w.d, w.m), x),
+        lambda: cpu.gemv(QWeight("q4", 16, 64, w.qs, w.d, None), x),
+        lambda: cpu.gemv(QWeight("q4", 16, 96, w.qs, w.d, w.m), rand(96)),
+        lambda: cpu.gemv(QWeight("f32", 16, 64, rand(64, 16).T, None, None), x),
+        lambda: cpu.gemv(QWeight("f16", 16, 64, rand(16, 64), None, None), x),
+        lambda: cpu.matmul(w, rand(3, 65)),
+        lambda: cpu.matmul(w, rand(64)),
+        lambda: cpu.gemv_rows(w, x, torch.tensor([0, 16], dtype=torch.int32)),
+        lambda: cpu.gemv_rows(w, x, torch.tensor([-1], dtype=torch.int32)),
+        lambda: cpu.gemv_rows(w, x, torch.tensor([0.0])),
+        lambda: cpu.axpy_rows(w, rand(2), torch.tensor([0, 99], dtype=torch.int32)),
+        lambda: cpu.axpy_rows(w, rand(3), rows),
+        lambda: cpu.sparse_ffn(x, w, w, w, rows, "swish"),
+        lambda: cpu.sparse_ffn(x, make_weight("q4", 8, 64), w, w, rows, "silu"),
+        lambda: cpu.sparse_ffn(x, None, w, make_weight("q4", 8, 64), rows, "silu"),
+        lambda: cpu.sparse_ffn(x, None, w, w, torch.tensor([16], dtype=torch.int32), "silu"),
+        lambda: cpu.sparse_ffn(rand(65), None, w, w, rows, "silu"),
+        lambda: cpu.set_num_threads(0),
+    ]
+    for i, f in enumerate(bad):
+        with pytest.raises(ValueError):
+            f()
+            pytest.fail(f"case {i} did not raise")
+
+
+def test_fallback_without_extension(monkeypatch):
+    monkeypatch.setattr(cpu, "_cpu", None)
+    monkeypatch.setattr(cpu, "_IMPORT_ERROR", ImportError("simulated"), raising=False)
+    monkeypatch.setattr(cpu, "_warned", False)
+    w = make_weight("q8", 8, 40)
+    x = rand(40)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert torch.equal(cpu.gemv(w, x), ref.gemv(w, x))
+        cpu.gemv(w, x)
+    assert len([r for r in rec if "reference" in str(r.message)]) == 1
+    assert cpu.simd_level() == "reference"
