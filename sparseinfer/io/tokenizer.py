@@ -514,9 +514,9 @@ class Tokenizer:
         if add_eos is None:
             add_eos = tp_eos is not None
         eog = set(eos_list)
-        wanted = set(EOG_TOKEN_TEXTS)
+        wanted, fim = set(EOG_TOKEN_TEXTS), set(_FIM_EOG_TEXTS)
         for t, i in vocab.items():
-            if t in wanted and attrs[i] in (CONTROL, USER_DEFINED):
+            if (t in wanted and attrs[i] in (CONTROL, USER_DEFINED)) or (t in fim and attrs[i] == CONTROL):
                 eog.add(i)
 
         templates: dict[str, str] = {}
@@ -580,10 +580,9 @@ class Tokenizer:
             else:
                 cfg["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_templates.items()]
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=1), encoding="utf-8")
-        if self.eos_ids:
-            (folder / "generation_config.json").write_text(
-                json.dumps({"eos_token_id": sorted(self.eos_ids)}), encoding="utf-8"
-            )
+        gen = folder / "generation_config.json"
+        if self.eos_ids and not gen.exists():  # never clobber a model's own generation settings
+            gen.write_text(json.dumps({"eos_token_id": sorted(self.eos_ids)}), encoding="utf-8")
 
     # ------------------------------------------------------------------ encode / decode
     def _encoder(self, parse_special: bool):
