@@ -113,6 +113,27 @@ def cmd_bench(a) -> int:
     return run_bench(a)
 
 
+def cmd_ppl(a) -> int:
+    import json
+
+    from .perplexity import DEFAULT_TEXT, perplexity
+
+    path = a.file or DEFAULT_TEXT
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise SparseInferError(f"cannot read {path}: {e.strerror}; pass -f FILE") from None
+    llm = _load(a)
+    r = perplexity(llm, text, ctx=a.ctx_size or 512, n_chunks=a.chunks)
+    print(f"perplexity: {r['ppl']:.4f} over {r['tokens_scored']} tokens ({r['chunks']} chunks of {r['ctx']}) "
+          f"in {r['seconds']:.1f}s")
+    if a.json:
+        rec = {k: v for k, v in r.items() if k != "per_chunk"} | {"model": str(llm.info.path), "file": str(path)}
+        with open(a.json, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sparseinfer", description="Fast local LLM inference with activation sparsity")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -149,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetitions", type=int, default=1)
     p.add_argument("--json", default=None, help="append results as JSON records to this file")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("ppl", help="perplexity on a text file (default: WikiText-2 test), llama.cpp's method")
+    _model_args(p)
+    p.add_argument("-f", "--file", default=None, help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw)")
+    p.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    p.add_argument("--json", default=None, help="append the result as a JSON record to this file")
+    p.set_defaults(func=cmd_ppl)
     return ap
 
 
