@@ -126,3 +126,26 @@ def test_unsupported_architecture(tmp_path):
 def test_folder_without_config(tmp_path):
     with pytest.raises(ModelFormatError, match="config.json"):
         open_source(tmp_path)
+
+
+def _same_as_gguf_reader(path):
+    ref = gguf.GGUFReader(path)
+    ours = gio.open_reader(path)
+    meta = gio.read_metadata(ours)
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape)
+        assert a.data_offset == b.data_offset and a.n_bytes == b.n_bytes
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    for k, f in ref.fields.items():
+        if not k.startswith("GGUF."):
+            v = f.contents()
+            assert meta[k] == pytest.approx(v) if isinstance(v, float) else meta[k] == v, k
+
+
+def test_parser_matches_gguf_reader_tiny(good_gguf):
+    _same_as_gguf_reader(good_gguf)
+
+
+def test_parser_matches_gguf_reader_smollm2(smollm2_path):
+    _same_as_gguf_reader(smollm2_path)
