@@ -27,11 +27,8 @@ def _matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _cpu_kernels():
-    try:
-        from ..kernels import cpu
-    except ImportError:  # TODO(lead): remove once kernels/cpu.py lands
-        import types
-        return types.SimpleNamespace(matmul=lambda w, x: x @ w.dequantize().T)
+    from ..kernels import cpu  # falls back to the reference kernels if the C core is not built
+
     return cpu
 
 
