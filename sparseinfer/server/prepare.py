@@ -1,0 +1,79 @@
+"""Request -> `GenParams`: prompt tokens and sampling settings, or an `APIError` saying what is wrong."""
+from __future__ import annotations
+
+from ..errors import SparseInferError
+from .engine import GenParams
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+
+def check_supported(req: _SamplingRequest, model_id: str, served_names: set[str]) -> None:
+    """The model exists, and nothing asks for a feature we do not serve."""
+    if req.model is not None and req.model not in served_names:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r} "
+                       "(see GET /v1/models)", "model", "model_not_found")
+    if req.n != 1:
+        raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request",
+                       "n", "unsupported_value")
+    extra = req.model_extra or {}
+    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias"):
+        if extra.get(name):
+            raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
+    fmt = extra.get("response_format")
+    if fmt and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format",
+                       "unsupported_value")
+    if not all(isinstance(s, str) for s in req.stop_list()):
+        raise APIError(400, "stop must be a string or a list of strings", "stop", "invalid_value")
+
+
+def chat_prompt_ids(llm, req: ChatCompletionRequest) -> list[int]:
+    """Tokens of the conversation rendered with the model's own chat template."""
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages]
+    try:
+        return llm.encode_chat_text(llm.format_chat(messages))
+    except SparseInferError as e:  # no chat template, or the template rejected the conversation
+        raise APIError(400, str(e), "messages", "invalid_value") from e
+
+
+def completion_prompt_ids(llm, req: CompletionRequest) -> list[int]:
+    """A text prompt is tokenized as `LLM.generate(text)` does; token ids are taken as given."""
+    if req.echo:
+        raise APIError(400, "echo is not supported by this server", "echo", "unsupported_parameter")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by this server", "suffix", "unsupported_parameter")
+    if req.best_of not in (None, 1):
+        raise APIError(400, "best_of is not supported by this server", "best_of", "unsupported_value")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(400, f"{len(prompt)} prompts given: this server takes one prompt per request",
+                           "prompt", "unsupported_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return llm.tokenizer.encode(prompt)
+    vocab = llm.tokenizer.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", "prompt", "invalid_value")
+    return list(prompt)
+
+
+def gen_params(llm, req: _SamplingRequest, ids: list[int], prompt_param: str) -> GenParams:
+    """Check the prompt and max_tokens against the context; a missing max_tokens fills the context."""
+    ctx = llm.ctx_size
+    if not ids:
+        raise APIError(400, "the prompt is empty: give at least one token of text", prompt_param, "invalid_value")
+    if len(ids) + 1 > ctx:
+        raise APIError(400, f"this model's context is {ctx} tokens, but the prompt is {len(ids)} tokens; "
+                       "shorten it (or restart the server with a larger -c/--ctx-size)",
+                       prompt_param, "context_length_exceeded")
+    want, param = req.requested_max_tokens()
+    if want is not None and want > ctx:
+        raise APIError(400, f"{param}={want} is more than the context size ({ctx} tokens)", param,
+                       "context_length_exceeded")
+    room = ctx - len(ids)
+    return GenParams(
+        prompt_ids=tuple(ids), max_tokens=min(want or room, room), temperature=req.temperature,
+        top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop_list()))
