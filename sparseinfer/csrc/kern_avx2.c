@@ -192,13 +192,30 @@ TILE_FN(q8_1x1, q8_tile, 1, 1)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const xq_t *, float[4][4]);
 
+/* Tile rows come from 4 separate quarters of [i0, i1) when there is one token, so no two
+ * rows of a tile share a 4 KB page (interleaved short rows defeat the hardware prefetcher). */
+typedef struct {
+    int64_t i0, i1, q;
+} walk_t;
+AI walk_t walk_init(int64_t i0, int64_t i1, int64_t T) {
+    walk_t wk = {i0, i1, T == 1 ? (i1 - i0) / 4 : 0};
+    return wk;
+}
+AI int64_t walk_tiles(const walk_t *wk) { return wk->q ? wk->q : (wk->i1 - wk->i0) / 4; }
+AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 + r * wk->q + j : wk->i0 + 4 * j + r; }
+
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
     const int q4 = w->fmt == FMT_Q4;
-    for (int64_t i = i0; i < i1;) {
-        const int R = i1 - i >= 4 ? 4 : 1;
-        int64_t rr[4];
-        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+    const walk_t wk = walk_init(i0, i1, T);
+    const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
+    for (int64_t j = 0; j < ntiles + nrest; j++) {
+        const int R = j < ntiles ? 4 : 1;
+        int64_t pos[4], rr[4];
+        for (int r = 0; r < R; r++) {
+            pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
+            rr[r] = si_row(rows, pos[r]);
+        }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : 1;
             qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : q4_4x1) : (Tn == 4 ? q4_1x4 : q4_1x1))
@@ -211,10 +228,9 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             float res[4][4];
             fn(w, rr, &sub, res);
             for (int r = 0; r < R; r++)
-                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+                for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
             t += Tn;
         }
-        i += R;
     }
 }
 
@@ -277,19 +293,23 @@ static const ftile_fn FTILES[3][4] = {
 
 static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const float *x, int64_t xstride, int64_t T, const yout_t *out) {
-    for (int64_t i = i0; i < i1;) {
-        const int R = i1 - i >= 4 ? 4 : 1;
-        int64_t rr[4];
-        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+    const walk_t wk = walk_init(i0, i1, T);
+    const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
+    for (int64_t j = 0; j < ntiles + nrest; j++) {
+        const int R = j < ntiles ? 4 : 1;
+        int64_t pos[4], rr[4];
+        for (int r = 0; r < R; r++) {
+            pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
+            rr[r] = si_row(rows, pos[r]);
+        }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : 1;
             float res[4][4];
             FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, x + t * xstride, xstride, res);
             for (int r = 0; r < R; r++)
-                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+                for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
             t += Tn;
         }
-        i += R;
     }
 }
 

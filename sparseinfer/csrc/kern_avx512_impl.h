@@ -83,7 +83,24 @@ AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const 
     }
 }
 
-AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+/* Software prefetch of the next tile's rows (the hardware prefetchers alone leave a core at
+ * about a third of its share of DRAM bandwidth on short row streams): their scales now,
+ * their data one cache line per line consumed here.  Without a next tile, rows are
+ * "prefetched" again (harmless hits). */
+AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uint8_t **pf) {
+    for (int r = 0; r < R; r++) {
+        pf[r] = w->qs + rn[r] * w->row_bytes;
+        if (w->d) {
+            const char *d = (const char *)(w->d + rn[r] * w->nb), *m = w->m ? (const char *)(w->m + rn[r] * w->nb) : NULL;
+            for (int64_t o = 0; o < w->nb * 2 + 63; o += 64) {
+                _mm_prefetch(d + o, _MM_HINT_T1);
+                if (m) _mm_prefetch(m + o, _MM_HINT_T1);
+            }
+        }
+    }
+}
+
+AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
     const int64_t nb = w->nb, ng = nb >> 2;
     const uint8_t *qp[4];
     const uint16_t *dp[4], *mp[4];
@@ -94,11 +111,14 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
         mp[r] = w->m ? w->m + rr[r] * nb : NULL;
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
     const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
     for (int64_t g = 0; g < ng; g++) {
         __m512i lo[4], hi[4];
         __m512 dw[4];
         for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(pf[r] + 64 * g), _MM_HINT_T1);
             __m512i v = _mm512_loadu_si512(qp[r] + 64 * g);
             lo[r] = _mm512_and_si512(v, m4);
             hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
@@ -133,7 +153,7 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
         for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
     const int64_t nb = w->nb, np = nb >> 1;
     const uint8_t *qp[4];
     const uint16_t *dp[4], *mp[4];
@@ -144,12 +164,15 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
         mp[r] = w->m ? w->m + rr[r] * nb : NULL;
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
     const __m512i z = _mm512_setzero_si512();
     for (int64_t p = 0; p < np; p++) {
         __m512i wa[4];
         __mmask64 wn[4];
         __m512 dw[4];
         for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(pf[r] + 64 * p), _MM_HINT_T1);
             __m512i v = _mm512_loadu_si512(qp[r] + 64 * p);
             wa[r] = _mm512_abs_epi8(v); /* -128 -> 0x80 = 128 as unsigned: still exact */
             wn[r] = _mm512_movepi8_mask(v);
@@ -188,27 +211,160 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
         for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-#define TILE_FN(name, tile, R, T) \
-    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const xq_t *xq, float res[4][4]) { \
-        tile(w, rr, xq, R, T, res); }
-TILE_FN(q4_4x4, q4_tile, 4, 4)
-TILE_FN(q4_4x1, q4_tile, 4, 1)
-TILE_FN(q4_1x4, q4_tile, 1, 4)
-TILE_FN(q4_1x1, q4_tile, 1, 1)
-TILE_FN(q8_4x4, q8_tile, 4, 4)
-TILE_FN(q8_4x1, q8_tile, 4, 1)
-TILE_FN(q8_1x4, q8_tile, 1, 4)
-TILE_FN(q8_1x1, q8_tile, 1, 1)
+/* Decode path (one token): the products d_w * d_x of 16 blocks are formed with one multiply
+ * per row and expanded to the dot-product lanes with one permute per 64-byte step (the
+ * generic tiles above spend four operations per step on it).  Same product, same fma: the
+ * results equal the generic tiles' bit for bit. */
+AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, float res[4][4]) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4], *mp[4];
+    __m512 acc[4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * nb;
+        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        acc[r] = _mm512_setzero_ps();
+    }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
+    const __m512i four = _mm512_set1_epi32(4);
+    for (int64_t g0 = 0; g0 < ng; g0 += 4) {
+        const int nsub = ng - g0 >= 4 ? 4 : (int)(ng - g0);
+        const __mmask16 mk = (__mmask16)((1u << (4 * nsub)) - 1);
+        __m512 xd = _mm512_maskz_loadu_ps(mk, xq->d + 4 * g0);
+        __m512 s16[4];
+        for (int r = 0; r < R; r++) s16[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, dp[r] + 4 * g0)), xd);
+        __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        for (int gg = 0; gg < nsub; gg++) {
+            const int64_t g = g0 + gg;
+            const int8_t *xb = xq->q + 128 * g;
+            __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(pf[r] + 64 * g), _MM_HINT_T1);
+                __m512i v = _mm512_loadu_si512(qp[r] + 64 * g);
+                __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i p = DP512(DP512(z, lo, xl), hi, xh);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, s16[r]), acc[r]);
+            }
+            idx = _mm512_add_epi32(idx, four);
+        }
+    }
+    float tmp[4][4];
+    __m512 acc2[4][4];
+    for (int r = 0; r < R; r++) acc2[r][0] = acc[r];
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    for (int64_t b = 4 * ng; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(qp[r] + 16 * b));
+            __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x));
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + 32 * b));
+            __m256i p = DP256(_mm256_setzero_si256(), wv, xv);
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(_cvtsh_ss(dp[r][b]) * xq->d[b]));
+            acc2[r][0] = _mm512_add_ps(acc2[r][0], zext256(f));
+        }
+    }
+    if (w->m) mterm(w, mp, xq, R, 1, acc2);
+    for (int r = 0; r < R; r++) tmp[r][0] = _mm512_reduce_add_ps(acc2[r][0]);
+    for (int r = 0; r < R; r++) res[r][0] = tmp[r][0];
+}
 
-typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const xq_t *, float[4][4]);
+AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, float res[4][4]) {
+    const int64_t nb = w->nb, np = nb >> 1;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4], *mp[4];
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * nb;
+        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        acc[r][0] = _mm512_setzero_ps();
+    }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
+    const __m512i z = _mm512_setzero_si512(), two = _mm512_set1_epi32(2);
+    for (int64_t p0 = 0; p0 < np; p0 += 8) {
+        const int nsub = np - p0 >= 8 ? 8 : (int)(np - p0);
+        const __mmask16 mk = (__mmask16)((1u << (2 * nsub)) - 1);
+        __m512 xd = _mm512_maskz_loadu_ps(mk, xq->d + 2 * p0);
+        __m512 s16[4];
+        for (int r = 0; r < R; r++) s16[r] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, dp[r] + 2 * p0)), xd);
+        __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for (int pp = 0; pp < nsub; pp++) {
+            const int64_t p = p0 + pp;
+            __m512i xv = _mm512_loadu_si512(xq->q + 64 * p);
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char *)(pf[r] + 64 * p), _MM_HINT_T1);
+                __m512i v = _mm512_loadu_si512(qp[r] + 64 * p);
+                __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(v), z, xv);
+                __m512i pr = DP512(z, _mm512_abs_epi8(v), xs);
+                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pr), _mm512_permutexvar_ps(idx, s16[r]), acc[r][0]);
+            }
+            idx = _mm512_add_epi32(idx, two);
+        }
+    }
+    if (nb & 1) {
+        const int64_t b = nb - 1;
+        for (int r = 0; r < R; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qp[r] + 32 * b));
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + 32 * b));
+            __m256i xs = _mm256_mask_sub_epi8(xv, _mm256_movepi8_mask(v), _mm256_setzero_si256(), xv);
+            __m256i pr = DP256(_mm256_setzero_si256(), _mm256_abs_epi8(v), xs);
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(pr), _mm256_set1_ps(_cvtsh_ss(dp[r][b]) * xq->d[b]));
+            acc[r][0] = _mm512_add_ps(acc[r][0], zext256(f));
+        }
+    }
+    if (w->m) mterm(w, mp, xq, R, 1, acc);
+    for (int r = 0; r < R; r++) res[r][0] = _mm512_reduce_add_ps(acc[r][0]);
+}
+
+#define TILE_FN(name, tile, R, T) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
+        tile(w, rr, rn, xq, R, T, res); }
+TILE_FN(q4_4x4, q4_tile, 4, 4)
+#define TILE1_FN(name, tile, R) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
+        tile(w, rr, rn, xq, R, res); }
+TILE1_FN(q4_4x1, q4_tile1, 4)
+TILE_FN(q4_1x4, q4_tile, 1, 4)
+TILE1_FN(q4_1x1, q4_tile1, 1)
+TILE_FN(q8_4x4, q8_tile, 4, 4)
+TILE1_FN(q8_4x1, q8_tile1, 4)
+TILE_FN(q8_1x4, q8_tile, 1, 4)
+TILE1_FN(q8_1x1, q8_tile1, 1)
+
+typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
+
+/* Position of the r-th row of tile j: with one token, a tile takes its 4 rows from 4
+ * separate quarters of [i0, i1) (row j of each), so each quarter is read front to back and
+ * no two rows of a tile share a 4 KB page; short rows read in interleaved pairs within a
+ * page defeat the hardware stream prefetcher (q4 dense gemv ran at half speed). */
+typedef struct {
+    int64_t i0, i1, q;
+} walk_t;
+
+AI walk_t walk_init(int64_t i0, int64_t i1, int64_t T) {
+    walk_t wk = {i0, i1, T == 1 ? (i1 - i0) / 4 : 0};
+    return wk;
+}
+/* number of 4-row tiles; then positions for tile j */
+AI int64_t walk_tiles(const walk_t *wk) { return wk->q ? wk->q : (wk->i1 - wk->i0) / 4; }
+AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 + r * wk->q + j : wk->i0 + 4 * j + r; }
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
     const int q4 = w->fmt == FMT_Q4;
-    for (int64_t i = i0; i < i1;) {
-        const int R = i1 - i >= 4 ? 4 : 1;
-        int64_t rr[4];
-        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+    const walk_t wk = walk_init(i0, i1, T);
+    const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
+    for (int64_t j = 0; j < ntiles + nrest; j++) {
+        const int R = j < ntiles ? 4 : 1;
+        int64_t pos[4], rr[4], rn[4];
+        for (int r = 0; r < R; r++) {
+            pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
+            rr[r] = si_row(rows, pos[r]);
+            rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
+        }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : 1;
             qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : q4_4x1) : (Tn == 4 ? q4_1x4 : q4_1x1))
@@ -219,12 +375,11 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             sub.s += t * xq->d_stride;
             sub.de += t * xq->de_stride;
             float res[4][4];
-            fn(w, rr, &sub, res);
+            fn(w, rr, t + Tn < T ? rr : rn, &sub, res);
             for (int r = 0; r < R; r++)
-                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+                for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
             t += Tn;
         }
-        i += R;
     }
 }
 
@@ -243,7 +398,7 @@ AI __m512 loadw_mask(const int fmt, const uint8_t *p, int64_t k, __mmask16 mk) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, const int fmt,
+AI void f_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const float *x, int64_t xs, const int fmt,
                const int R, const int T, float res[4][4]) {
     const int64_t K = w->cols;
     const uint8_t *wp[4];
@@ -252,9 +407,14 @@ AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, c
         wp[r] = w->qs + rr[r] * w->row_bytes;
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
+    const int esz = fmt == FMT_F32 ? 4 : 2;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[4];
+        if (esz == 4 || !(k & 16))
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(pf[r] + k * esz), _MM_HINT_T1);
         for (int r = 0; r < R; r++) wv[r] = loadw(fmt, wp[r], k);
         for (int t = 0; t < T; t++) {
             __m512 xv = _mm512_loadu_ps(x + t * xs + k);
@@ -275,15 +435,15 @@ AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, c
 }
 
 #define FTILE_FN(name, fmt, R, T) \
-    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, float res[4][4]) { \
-        f_tile(w, rr, x, xs, fmt, R, T, res); }
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const float *x, int64_t xs, float res[4][4]) { \
+        f_tile(w, rr, rn, x, xs, fmt, R, T, res); }
 #define FTILE_SET(fn, FMT) \
     FTILE_FN(fn##_4x4, FMT, 4, 4) FTILE_FN(fn##_4x1, FMT, 4, 1) FTILE_FN(fn##_1x4, FMT, 1, 4) FTILE_FN(fn##_1x1, FMT, 1, 1)
 FTILE_SET(f32, FMT_F32)
 FTILE_SET(f16, FMT_F16)
 FTILE_SET(bf16, FMT_BF16)
 
-typedef void (*ftile_fn)(const qmat_t *, const int64_t *, const float *, int64_t, float[4][4]);
+typedef void (*ftile_fn)(const qmat_t *, const int64_t *, const int64_t *, const float *, int64_t, float[4][4]);
 static const ftile_fn FTILES[3][4] = {
     {f32_4x4, f32_4x1, f32_1x4, f32_1x1},
     {f16_4x4, f16_4x1, f16_1x4, f16_1x1},
@@ -292,19 +452,24 @@ static const ftile_fn FTILES[3][4] = {
 
 static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const float *x, int64_t xstride, int64_t T, const yout_t *out) {
-    for (int64_t i = i0; i < i1;) {
-        const int R = i1 - i >= 4 ? 4 : 1;
-        int64_t rr[4];
-        for (int r = 0; r < R; r++) rr[r] = si_row(rows, i + r);
+    const walk_t wk = walk_init(i0, i1, T);
+    const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
+    for (int64_t j = 0; j < ntiles + nrest; j++) {
+        const int R = j < ntiles ? 4 : 1;
+        int64_t pos[4], rr[4], rn[4];
+        for (int r = 0; r < R; r++) {
+            pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
+            rr[r] = si_row(rows, pos[r]);
+            rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
+        }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : 1;
             float res[4][4];
-            FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, x + t * xstride, xstride, res);
+            FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, t + Tn < T ? rr : rn, x + t * xstride, xstride, res);
             for (int r = 0; r < R; r++)
-                for (int u = 0; u < Tn; u++) out->y[(i + r) * out->ysr + (t + u) * out->yst] = res[r][u];
+                for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
             t += Tn;
         }
-        i += R;
     }
 }
 
