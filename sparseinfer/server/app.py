@@ -30,6 +30,7 @@ from .webui import PAGE
 
 log = logging.getLogger("sparseinfer.server")
 
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
@@ -288,13 +289,17 @@ async def _events(queue: asyncio.Queue, shape: ChatStream) -> AsyncIterator[byte
 
 
 async def _whole(request: Request, queue: asyncio.Queue, shape: ChatStream):
-    parts = []
+    parts, next_check = [], time.monotonic() + DISCONNECT_POLL_S
     while True:
         try:
-            r = await asyncio.wait_for(queue.get(), timeout=1.0)
+            r = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
+            r = None
+        if time.monotonic() >= next_check:
             if await request.is_disconnected():
                 return JSONResponse({}, 499)  # nobody is listening; the caller cancels the sequence
+            next_check = time.monotonic() + DISCONNECT_POLL_S
+        if r is None:
             continue
         if isinstance(r, BaseException):
             raise _worker_error(r)

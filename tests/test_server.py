@@ -1,0 +1,318 @@
+"""The OpenAI-compatible server, in-process on a loopback port, with SmolLM2 and 2 slots.
+
+References come from the Python API (`LLM.generate`) on a second copy of the model, so the
+server's worker thread is the only user of its own copy.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import sparseinfer  # noqa: E402
+from sparseinfer.server.app import Settings, create_app  # noqa: E402
+from sparseinfer.server.background import BackgroundServer  # noqa: E402
+from sparseinfer.server.engine import Engine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CTX = 512
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def ref(smollm2_path):
+    return sparseinfer.load(smollm2_path, ctx_size=CTX)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    llm = sparseinfer.load(smollm2_path, ctx_size=CTX)
+    settings = Settings.for_model(llm, api_key=KEY)
+    engine = Engine(llm, parallel=2)
+    with BackgroundServer(create_app(settings, engine)) as s:
+        s.settings, s.engine = settings, engine
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat_ids(llm, messages):
+    return llm.encode_chat_text(llm.format_chat(messages))
+
+
+def reference(llm, prompt, max_tokens):
+    """(text, generation_tokens, finish_reason) of greedy generation through the Python API."""
+    rs = list(llm.stream_generate(prompt, max_tokens=max_tokens, temp=0))
+    return "".join(r.text for r in rs), rs[-1].generation_tokens, rs[-1].finish_reason
+
+
+def post(server, path, body=None, raw=None, headers=AUTH, timeout=120):
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={**headers, "Content-Type": "application/json"},
+                      timeout=timeout)
+
+
+def sse_payloads(lines):
+    """JSON payloads of a stream's `data:` lines; asserts it ends with [DONE] and nothing follows."""
+    data = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data[-3:]
+    assert all(ln.startswith("data: ") or ln == "" for ln in lines), lines
+    return [json.loads(d) for d in data[:-1]]
+
+
+def stream_lines(server, path, body, on_line=None):
+    lines = []
+    with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for ln in r.iter_lines():
+            lines.append(ln)
+            if on_line:
+                on_line(ln)
+    return lines
+
+
+def wait_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = httpx.get(server.url + "/health").json()
+        if h["active_slots"] == 0 and h["queue_depth"] == 0:
+            return h
+        time.sleep(0.05)
+    raise AssertionError(f"slots still busy after {timeout}s: {h}")
+
+
+# ----------------------------------------------------------------------------- happy paths
+def test_health_and_models(server, client):
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and h["slots"] == 2
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [server.settings.model_id]
+    assert httpx.get(server.url + "/").text.lstrip().startswith("<!doctype html>")
+
+
+def test_chat_matches_python_api(server, client, ref):
+    want, n_gen, finish = reference(ref, chat_ids(ref, CHAT), 12)
+    r = client.chat.completions.create(model=server.settings.model_id, messages=CHAT, max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == finish
+    assert r.usage.prompt_tokens == len(chat_ids(ref, CHAT))
+    assert r.usage.completion_tokens == n_gen
+    assert r.usage.total_tokens == r.usage.prompt_tokens + n_gen
+
+
+def test_chat_stream_with_usage(server, client, ref):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]
+    want, n_gen, finish = reference(ref, chat_ids(ref, messages), 8)
+    # the file name is accepted as the model name too
+    chunks = list(client.chat.completions.create(
+        model=ref.info.path.name, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_gen
+    assert chunks[-1].usage.prompt_tokens == len(chat_ids(ref, messages))
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_plain_and_stream(server, client, ref):
+    prompt = "The three primary colors are"
+    want, n_gen, finish = reference(ref, prompt, 10)
+    r = client.completions.create(model=server.settings.model_id, prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == finish == "length"
+    assert r.usage.prompt_tokens == len(ref.tokenizer.encode(prompt)) and r.usage.completion_tokens == 10
+    chunks = list(client.completions.create(model=server.settings.model_id, prompt=prompt, max_tokens=10,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sampling_parameters_and_stop(server, client, ref):
+    prompt = "1, 2, 3, 4,"
+    want, _, _ = reference(ref, prompt, 12)
+    stop = want.strip().split(",")[1].strip()  # a number the greedy continuation will write
+    r = client.completions.create(model=server.settings.model_id, prompt=prompt, max_tokens=12, temperature=0,
+                                  stop=[stop, "zzz"])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert want.startswith(r.choices[0].text)
+    kw = dict(model=server.settings.model_id, prompt=prompt, max_tokens=6, temperature=0.9, top_p=0.9,
+              seed=7, presence_penalty=0.5, frequency_penalty=0.5,
+              extra_body={"top_k": 20, "min_p": 0.05})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same sample
+
+
+# ----------------------------------------------------------------------------- bad input
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    ("/v1/chat/completions", None, "{not json", 400, "invalid_json", None),
+    ("/v1/chat/completions", None, "[1, 2]", 400, None, None),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "invalid_value", "messages"),
+    ("/v1/chat/completions", {}, None, 400, "missing_required_parameter", "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, None, 400, "invalid_value", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, None, "messages"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, None, 400, None, "temperature"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": "5"}, None, 400, None, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": -3}, None, 400, None, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, None, 400, None, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 10**9}, None, 400, "context_length_exceeded",
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": CTX + 1}, None, 400,
+     "context_length_exceeded", "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 2}, None, 400, "unsupported_value", "n"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, None, 400, None, "stream"),
+    ("/v1/chat/completions", {"messages": MSG, "stop": 5}, None, 400, None, "stop"),
+    ("/v1/chat/completions", {"messages": MSG, "top_p": 1.5}, None, 400, None, "top_p"),
+    ("/v1/chat/completions", {"messages": MSG, "model": "gpt-4o"}, None, 404, "model_not_found", "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * (CTX + 10)}]}, None, 400,
+     "context_length_exceeded", "messages"),
+    ("/v1/completions", {"prompt": "word " * (CTX + 10)}, None, 400, "context_length_exceeded", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "other"}, None, 404, "model_not_found", "model"),
+    ("/v1/completions", {"prompt": 42}, None, 400, None, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, None, 400, "invalid_value", "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, None, 400, "unsupported_value", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, None, 400, "unsupported_parameter", "echo"),
+]
+
+
+@pytest.mark.parametrize("path,body,raw,status,code,param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_an_openai_error(server, path, body, raw, status, code, param):
+    r = post(server, path, body, raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if code:
+        assert err["code"] == code
+    if param:
+        assert err["param"] == param
+
+
+def test_bad_api_key_and_unknown_route(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 1}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # only /v1/* is guarded
+    r = httpx.get(server.url + "/v1/nothing-here", headers=AUTH)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_serving_continues_after_errors(server, client):
+    for path, body, raw, *_ in BAD[:4]:
+        post(server, path, body, raw)
+    r = client.chat.completions.create(model=server.settings.model_id, messages=MSG, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+# ----------------------------------------------------------------------------- concurrency
+def test_two_concurrent_streams_match_sequential(server, ref):
+    prompts = ["The capital of Germany is", "def fibonacci(n):"]
+    n = 16
+    want = [reference(ref, p, n)[0] for p in prompts]
+    results, first, last = [None, None], [None, None], [None, None]
+    barrier = threading.Barrier(2)
+
+    def run(i):
+        def seen(ln):
+            if ln.startswith("data: {"):
+                first[i] = first[i] or time.monotonic()
+        barrier.wait()
+        body = {"prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
+        results[i] = stream_lines(server, "/v1/completions", body, seen)
+        last[i] = time.monotonic()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(2):
+        chunks = sse_payloads(results[i])
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want[i]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        assert len({c["id"] for c in chunks}) == 1
+    assert first[0] < last[1] and first[1] < last[0], "the two sequences did not decode together"
+    wait_idle(server)
+
+
+def _cancelled(server) -> float:
+    m = re.search(r'^sparseinfer_sequences_total\{reason="cancelled"\} (\S+)$',
+                  httpx.get(server.url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_stream_disconnect_frees_the_slot(server, client):
+    before = _cancelled(server)
+    body = {"prompt": "Once upon a time", "max_tokens": CTX - 16, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        got = 0
+        for ln in r.iter_lines():
+            got += ln.startswith("data: {")
+            if got == 2:
+                break  # leave mid-stream: closing the response drops the connection
+    assert wait_idle(server, timeout=5)["active_slots"] == 0
+    assert _cancelled(server) == before + 1
+    r = client.completions.create(model=server.settings.model_id, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_non_stream_disconnect_frees_the_slot(server):
+    before = _cancelled(server)
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": CTX - 16, "temperature": 0},
+             timeout=1.0)
+    assert wait_idle(server, timeout=8)["active_slots"] == 0
+    assert _cancelled(server) == before + 1
+
+
+# ----------------------------------------------------------------------------- metrics
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? (\S+)$')
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """A strict reader of the text format: every line is HELP, TYPE or a sample of a typed family."""
+    typed, samples = set(), {}
+    for ln in text.splitlines():
+        if ln.startswith("# HELP "):
+            continue
+        if ln.startswith("# TYPE "):
+            _, _, name, kind = ln.split(" ")
+            assert kind in {"counter", "gauge", "summary", "histogram", "untyped"}
+            typed.add(name)
+            continue
+        m = SAMPLE.match(ln)
+        assert m, f"not a Prometheus sample: {ln!r}"
+        name = m.group(1)
+        assert any(name == t or name.startswith(t + "_") for t in typed), f"untyped sample {name}"
+        samples[name + (m.group(2) or "")] = float(m.group(4))
+    return samples
+
+
+def test_metrics(server, client):
+    client.completions.create(model=server.settings.model_id, prompt="Hi", max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    s = parse_prometheus(text)
+    assert s['sparseinfer_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert s['sparseinfer_requests_total{endpoint="/v1/chat/completions",status="401"}'] >= 1
+    assert s["sparseinfer_prompt_tokens_total"] > 0 and s["sparseinfer_generation_tokens_total"] >= 3
+    assert s["sparseinfer_generation_tokens_per_second"] >= 0
+    assert s["sparseinfer_slots"] == 2 and s["sparseinfer_queue_depth"] == 0
+    assert "sparseinfer_active_slots" in s
