@@ -1,0 +1,113 @@
+"""Device byte counts of a built model's parts (`CostModel`), in the format each part has on the device."""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..models.layers import Rotary
+from ..quant import FLOAT_FORMATS, QWeight, from_float
+from .device_ops import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes
+from .ffn import down_t_format
+from .placement import CostModel, LayerCosts
+
+MiB = 1 << 20
+DEVICE_CHUNK = 128           # tokens per forward pass while any part is on the device (bounds activations)
+CUDA_WORKSPACE = 64 * MiB    # cuBLAS/cuBLASLt workspaces and SDPA kernels' own buffers
+FFN_TENSORS = 11             # gate/up/down_t (qs, d, m) + 2 biases: allocator rounding per layer
+
+
+def module_tensors(m: nn.Module | None) -> Iterator[torch.Tensor]:
+    """Every tensor a module tree holds, `QWeight` parts included (modules here keep tensors as
+    plain attributes).  Rotary tables are shared caches moved per call, so they are left out."""
+    if m is None:
+        return
+    seen: set[int] = set()
+    for sub in m.modules():
+        if isinstance(sub, Rotary):
+            continue
+        values = list(vars(sub).values()) + list(sub._parameters.values()) + list(sub._buffers.values())
+        for v in values:
+            ts = [v] if isinstance(v, torch.Tensor) else [v.qs, v.d, v.m] if isinstance(v, QWeight) else []
+            for t in ts:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    yield t
+
+
+def device_bytes(m: nn.Module | None) -> int:
+    """Bytes of `m` once moved: QWeight parts as they are, other float tensors as float32."""
+    total = 0
+    for t in module_tensors(m):
+        if t.is_floating_point() and t.dtype != torch.float32 and t.dim() <= 1:
+            total += device_nbytes(t.float())  # biases and norm weights become float32
+        else:
+            total += device_nbytes(t)
+    return total
+
+
+def qrow_bytes(fmt: str, cols: int) -> int:
+    """Bytes of one row of `cols` values in `fmt`, scales included."""
+    if fmt in FLOAT_FORMATS:
+        return cols * torch.empty(0, dtype={"f32": torch.float32, "f16": torch.float16,
+                                            "bf16": torch.bfloat16}[fmt]).element_size()
+    return from_float(torch.zeros(1, cols), fmt).nbytes
+
+
+def neuron_bytes(mlp: nn.Module) -> int:
+    """Device bytes of one FFN neuron: gate row, up row, down_t row, gate/up bias entries."""
+    up, down = mlp.up.weight, mlp.down.weight
+    b = up.row_bytes() + qrow_bytes(down_t_format(down.fmt), down.rows)
+    if mlp.gate is not None:
+        b += mlp.gate.weight.row_bytes() + (4 if mlp.gate.bias is not None else 0)
+    return b + (4 if mlp.up.bias is not None else 0)
+
+
+def kv_bytes(config, ctx_size: int, dtype: torch.dtype = torch.float32) -> int:
+    """K and V of one layer for `ctx_size` positions, batch 1."""
+    one = torch.empty(0, dtype=dtype).element_size() * config.n_kv_heads * ctx_size * config.d_head
+    return 2 * (-(-one // 512) * 512)
+
+
+def scratch_bytes(config, ctx_size: int, n_ffn: int, device_type: str = "cuda",
+                  predictor_hidden: int = 0, chunk: int = DEVICE_CHUNK) -> int:
+    """Transient device memory of one forward pass of `chunk` tokens, counted generously:
+    residual stream, q/k/v, attention scores and GQA-expanded K/V (math kernel, worst case),
+    FFN activations, logits, predictor activations, one dequantized weight chunk, workspaces."""
+    d, h, hkv, dh, v = config.hidden_size, config.num_attention_heads, config.n_kv_heads, config.d_head, config.vocab_size
+    t, L = chunk, ctx_size
+    floats = (8 * t * d                        # residual, norm output, partial sums, transfers
+              + 3 * t * (h + 2 * hkv) * dh     # q, k, v and their rotated copies
+              + 3 * t * h * L + 2 * h * L * dh  # scores/softmax, expanded K/V
+              + 2 * t * h * dh                 # attention output
+              + 4 * t * n_ffn                  # gate, up, h (+ one temporary)
+              + 2 * t * v                      # logits (+ the final chunk copy)
+              + 2 * t * max(predictor_hidden, 0))
+    b = 4 * floats + DEQUANT_BYTES_PER_ELEM * CHUNK_ELEMS
+    b = int(b * 1.25) + 16 * MiB
+    return b + (CUDA_WORKSPACE if device_type == "cuda" else 0)
+
+
+def cost_model(model, ctx_size: int, device_type: str = "cuda", predictors: Sequence[nn.Module | None] | None = None,
+               kv_dtype: torch.dtype = torch.float32, chunk: int = DEVICE_CHUNK) -> CostModel:
+    """The `CostModel` of a built `CausalLM` (dense `MLP` blocks) for a context of `ctx_size`."""
+    c = model.config
+    predictors = list(predictors) if predictors is not None else [None] * len(model.layers)
+    layers = []
+    for block, pred in zip(model.layers, predictors):
+        norms = sum(device_bytes(ch) for ch in block.children() if ch is not block.attn and ch is not block.mlp)
+        layers.append(LayerCosts(attn=device_bytes(block.attn), kv=kv_bytes(c, ctx_size, kv_dtype), norms=norms,
+                                 predictor=device_bytes(pred) if isinstance(pred, nn.Module) else 0,
+                                 neuron=neuron_bytes(block.mlp), n_neurons=block.mlp.n_neurons,
+                                 dense_ffn=device_bytes(block.mlp)))
+    head = device_bytes(model.norm) + device_bytes(model.head)
+    n_ffn = max(lc.n_neurons for lc in layers) if layers else 0
+    pred_hidden = max((_predictor_hidden(p) for p in predictors), default=0)
+    scratch = scratch_bytes(c, ctx_size, n_ffn, device_type, pred_hidden, chunk)
+    return CostModel(tuple(layers), head, scratch, FFN_TENSORS * 512)
+
+
+def _predictor_hidden(p) -> int:
+    """Widest activation a predictor makes (its largest tensor dimension, a safe bound)."""
+    return max((max(t.shape) for t in module_tensors(p) if t.dim()), default=0) if isinstance(p, nn.Module) else 0

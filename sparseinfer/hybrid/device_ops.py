@@ -1,0 +1,167 @@
+"""Accelerator-side operators in plain torch ops, for any torch device.
+
+Weights stay on the device in their `QWeight` format (the bytes the placement counted) and are
+dequantized to float32 in row chunks of at most `CHUNK_ELEMS` values right before use, so the
+transient memory is bounded whatever the matrix size.  The same code runs with torch-CPU
+standing in for the accelerator, which is how the tests exercise it.
+
+A Triton kernel (fused gather + dequantize + dot) would avoid the float32 round trip; it is not
+here because it could not be measured or tested on a GPU yet.  The hook is `hot_ffn_sparse`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant import BLOCK, QWeight
+
+CHUNK_ELEMS = 1 << 21          # weights dequantized at a time (8 MiB of float32)
+DEQUANT_BYTES_PER_ELEM = 12    # float32 result + unpacked bytes + float temporaries, rounded up
+ALLOC_ROUND = 512              # the CUDA caching allocator's block granularity
+
+
+def device_nbytes(t: torch.Tensor | None) -> int:
+    """Bytes a tensor takes on the device, allocator rounding included."""
+    if t is None:
+        return 0
+    n = t.numel() * t.element_size()
+    return -(-n // ALLOC_ROUND) * ALLOC_ROUND
+
+
+def qweight_device_nbytes(w: QWeight) -> int:
+    return sum(device_nbytes(t) for t in (w.qs, w.d, w.m))
+
+
+def row_slice(w: QWeight, start: int, end: int) -> QWeight:
+    """Rows [start, end) as a view (no copy)."""
+    cut = lambda t: None if t is None else t[start:end]  # noqa: E731
+    return QWeight(w.fmt, end - start, w.cols, cut(w.qs), cut(w.d), cut(w.m))
+
+
+def copy_rows(w: QWeight, start: int, end: int, device: torch.device | str = "cpu") -> QWeight:
+    """Rows [start, end) as their own contiguous tensors on `device` (the rest can be freed)."""
+    cut = lambda t: None if t is None else t[start:end].contiguous().to(device)  # noqa: E731
+    return QWeight(w.fmt, end - start, w.cols, cut(w.qs), cut(w.d), cut(w.m))
+
+
+def dequant(w: QWeight) -> torch.Tensor:
+    """(rows, cols) float32 on the weight's device, in place where possible (bounded temporaries)."""
+    if w.fmt == "f32":
+        return w.qs
+    if w.fmt in ("f16", "bf16"):
+        return w.qs.float()
+    rows = w.rows
+    if w.fmt == "q8":
+        q = w.qs.float()
+    else:  # q4: byte j of a block holds value j (low nibble) and value j + 16 (high nibble)
+        b = w.qs.view(rows, -1, BLOCK // 2)
+        q = torch.empty(rows, b.shape[1], BLOCK, dtype=torch.float32, device=b.device)
+        q[..., : BLOCK // 2] = b & 0x0F
+        q[..., BLOCK // 2 :] = b >> 4
+    q = q.view(rows, -1, BLOCK)
+    q.mul_(w.d.float()[..., None])
+    if w.m is not None:
+        q.add_(w.m.float()[..., None])
+    q = q.view(rows, -1)
+    return q if q.shape[1] == w.cols else q[:, : w.cols]
+
+
+def chunk_rows(w: QWeight) -> int:
+    return max(1, CHUNK_ELEMS // max(w.cols, 1))
+
+
+def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
+    """(M, K) float32 -> (M, rows) = x2 W^T, W dequantized chunk by chunk."""
+    if w.fmt == "f32":
+        return x2 @ w.qs.T
+    if w.fmt in ("f16", "bf16") and x2.device.type == "cuda":
+        return (x2.to(w.qs.dtype) @ w.qs.T).float()  # tensor cores; inputs rounded to the weight type
+    y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32, device=x2.device)
+    step = chunk_rows(w)
+    for a in range(0, w.rows, step):
+        b = min(w.rows, a + step)
+        y[:, a:b] = x2 @ dequant(row_slice(w, a, b)).T
+    return y
+
+
+def matmul_t(h: torch.Tensor, wt: QWeight) -> torch.Tensor:
+    """(M, rows) @ Wt -> (M, cols): the down projection from its neuron-major transpose."""
+    if wt.fmt == "f32":
+        return h @ wt.qs
+    y = torch.zeros(h.shape[0], wt.cols, dtype=torch.float32, device=h.device)
+    step = chunk_rows(wt)
+    for a in range(0, wt.rows, step):
+        b = min(wt.rows, a + step)
+        y.addmm_(h[:, a:b], dequant(row_slice(wt, a, b)))
+    return y
+
+
+class DeviceLinear(nn.Module):
+    """`Linear` for a weight that lives on an accelerator (or torch-CPU standing in for one)."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    @classmethod
+    def moved(cls, linear: nn.Module, device: torch.device) -> "DeviceLinear":
+        bias = None if linear.bias is None else linear.bias.float().to(device)
+        return cls(linear.weight.to(device), bias)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.cols
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.rows
+
+    def nbytes(self) -> int:
+        return qweight_device_nbytes(self.weight) + device_nbytes(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = matmul(self.weight, x.reshape(-1, x.shape[-1]).float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, -1)
+
+
+def ffn_hidden(g: torch.Tensor | None, u: torch.Tensor, act, act_name: str) -> torch.Tensor:
+    """Per-neuron activation h from gate/up pre-activations (MLP.hidden's formula)."""
+    if g is None:
+        return act(u)
+    if act_name == "drelu":
+        u = F.relu(u)
+    return act(g) * u
+
+
+def hot_ffn_dense(x2: torch.Tensor, part, act, act_name: str) -> torch.Tensor:
+    """All neurons of `part` (an `FFNPart`) for (M, d) inputs -> (M, d_model)."""
+    g = None if part.gate is None else _lin(part.gate, part.gate_bias, x2)
+    u = _lin(part.up, part.up_bias, x2)
+    return matmul_t(ffn_hidden(g, u, act, act_name), part.down_t)
+
+
+def hot_ffn_sparse(x: torch.Tensor, part, ids: torch.Tensor, act, act_name: str) -> torch.Tensor:
+    """Neurons `ids` (positions within `part`, on its device) for one token x (d,) -> (d_model,).
+    Gathers the active rows chunk by chunk, so the scratch stays under CHUNK_ELEMS values."""
+    y = torch.zeros(part.down_t.cols, dtype=torch.float32, device=x.device)
+    step = chunk_rows(part.up)
+    for a in range(0, ids.numel(), step):
+        idx = ids[a : a + step]
+        g = None if part.gate is None else _lin(part.gate.select_rows(idx), _pick(part.gate_bias, idx), x[None])
+        u = _lin(part.up.select_rows(idx), _pick(part.up_bias, idx), x[None])
+        h = ffn_hidden(g, u, act, act_name)
+        y += matmul_t(h, part.down_t.select_rows(idx))[0]
+    return y
+
+
+def _lin(w: QWeight, bias: torch.Tensor | None, x2: torch.Tensor) -> torch.Tensor:
+    y = matmul(w, x2)
+    return y if bias is None else y + bias
+
+
+def _pick(bias: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias.index_select(0, idx)

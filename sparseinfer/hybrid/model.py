@@ -1,0 +1,212 @@
+"""Apply a `Placement` to a built model: move what it says to the accelerator, split the FFNs.
+
+Construct -> transform: the model is built on the CPU as usual, then each placed part is moved
+(quantized weights keep their format), each FFN becomes a `HybridFFN` (neurons mode) or, for
+the dense layer-offload baseline, keeps its `MLP` with device weights.  The result is a
+`HybridCausalLM`, a `CausalLM` whose residual stream follows each block to where its
+attention runs and whose KV cache lives next to its attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import SparseInferError
+from ..kv_cache import KVCache, LayerKV
+from ..models.base import CausalLM
+from ..models.layers import Linear, Rotary
+from ..quant import QWeight
+from .costs import DEVICE_CHUNK
+from .device_ops import DeviceLinear
+from .ffn import CpuWorker, HybridFFN, Predictor, mlp_part
+from .placement import Placement
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class NeuronStats:
+    """What placement and execution need from a sparsity pack, per layer (original neuron ids)."""
+
+    frequency: list[torch.Tensor]               # (n,) activation frequency of each neuron
+    order: list[torch.Tensor]                   # (n,) neuron ids, hottest first
+    predictors: list[Predictor | None] | None = None  # x (d,) -> bool mask (n,) over original ids
+    fingerprint: str = ""
+
+    def hot_frequencies(self) -> list:
+        """Per layer, frequencies in hotness order (numpy), as the planner wants them."""
+        return [f.float()[o.long()].numpy() for f, o in zip(self.frequency, self.order)]
+
+
+class DeviceLayerKV(LayerKV):
+    """A layer's cache on the accelerator, allocated whole at first use: growing it in steps
+    would briefly hold two copies, more than the placement counted."""
+
+    def __init__(self, max_len: int, dtype=torch.float32, device="cuda", max_batch: int = 1):
+        super().__init__(max_len, dtype, device)
+        self.max_batch = max_batch
+
+    def _ensure(self, k: torch.Tensor, need: int) -> None:
+        if self.k is None and need <= self.max_len:
+            B, H, _, D = k.shape
+            if B > self.max_batch:
+                raise SparseInferError(f"batch of {B} on the accelerator, but the VRAM placement counted "
+                                       f"KV memory for {self.max_batch}; use --device cpu for batches")
+            self.k = torch.zeros(B, H, self.max_len, D, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros_like(self.k)
+        super()._ensure(k, need)
+
+
+class HybridCausalLM(CausalLM):
+    """A `CausalLM` with parts on an accelerator; same call signature, logits on the CPU."""
+
+    def __init__(self, base: CausalLM, placement: Placement, accel: torch.device, ctx_size: int,
+                 homes: Sequence[torch.device], worker: CpuWorker, kv_dtype=torch.float32, chunk: int = DEVICE_CHUNK):
+        super().__init__(base.config, base.embed, list(base.layers), base.norm, base.head, base.pos_embed)
+        self.placement, self.accel, self.ctx_size = placement, torch.device(accel), ctx_size
+        self.homes, self.worker, self.kv_dtype, self.chunk = list(homes), worker, kv_dtype, chunk
+        self.head_device = self.accel if placement.head_on_device else CPU
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        n = max_len or self.ctx_size
+        cache = KVCache(len(self.layers), n)
+        for i, home in enumerate(self.homes):
+            if self.placement.attn_on_device[i]:
+                if n > self.ctx_size:
+                    raise SparseInferError(f"a cache of {n} tokens is larger than the {self.ctx_size} the VRAM "
+                                           "placement counted; load with a larger ctx_size (-c)")
+                cache.layers[i] = DeviceLayerKV(n, self.kv_dtype, home)
+        return cache
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab) on the CPU, `chunk` tokens per pass."""
+        if tokens.dim() == 1:
+            tokens = tokens[None]
+        T = tokens.shape[1]
+        cache.check_room(T)
+        outs = []
+        for s in range(0, T, self.chunk):
+            x = self._blocks(tokens[:, s: s + self.chunk], cache)
+            if last_only and s + self.chunk < T:
+                continue
+            outs.append(self._head(x[:, -1:] if last_only else x))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _blocks(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        T = tokens.shape[1]
+        positions = torch.arange(cache.length, cache.length + T)
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)[None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x.to(self.homes[i]), positions, cache[i])
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x.to(self.head_device))).to(CPU)
+
+    def close(self) -> None:
+        """Stop the CPU worker thread (it is also stopped when the model is collected)."""
+        self.worker.close()
+
+    def __del__(self):
+        try:
+            self.worker.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+# ------------------------------------------------------------------------------- moving parts
+def move_module(m: nn.Module, device: torch.device) -> nn.Module:
+    """Move every tensor of a module tree to `device`; `Linear`s become `DeviceLinear`s.
+    Norm weights and biases become float32 (they are computed in float32 anyway)."""
+    if isinstance(m, Linear):
+        return DeviceLinear.moved(m, device)
+    for name, child in list(m.named_children()):
+        setattr(m, name, move_module(child, device))
+    if isinstance(m, Rotary):
+        return m  # tables are moved per call
+    for name, v in list(vars(m).items()):
+        if isinstance(v, torch.Tensor):
+            setattr(m, name, (v.float() if v.is_floating_point() else v).to(device))
+        elif isinstance(v, QWeight):
+            setattr(m, name, v.to(device))
+    for name, p in list(m._parameters.items()):
+        if p is not None:
+            m._parameters[name] = nn.Parameter(p.detach().to(device), requires_grad=False)
+    for name, b in list(m._buffers.items()):
+        if b is not None:
+            m._buffers[name] = b.to(device)
+    return m
+
+
+def _move_block_core(block: nn.Module, device: torch.device) -> None:
+    """Attention and norms of a block to `device`; the FFN is handled separately."""
+    for name, child in list(block.named_children()):
+        if child is not block.mlp:
+            setattr(block, name, move_module(child, device))
+
+
+def _ordered_predictor(pred: Predictor, order: torch.Tensor) -> Predictor:
+    """A predictor over original neuron ids -> one over neurons in hotness order."""
+    cache: dict = {}
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        mask = pred(x)
+        idx = cache.get(mask.device)
+        if idx is None:
+            idx = cache[mask.device] = order.long().to(mask.device)
+        return mask.index_select(0, idx)
+
+    return predict
+
+
+def _split_ffn(mlp: nn.Module, n_hot: int, order: torch.Tensor, accel: torch.device, home: torch.device,
+               predictor, pred_on_device: bool, worker: CpuWorker) -> nn.Module:
+    if n_hot == 0 and predictor is None:
+        return mlp  # all dense on the CPU: the original module is the fastest there
+    part = mlp_part(mlp, order)
+    n = part.n
+    hot = part.rows(0, n_hot, accel) if n_hot else None
+    cold = part.rows(n_hot, n, CPU) if n_hot < n else None
+    bias = mlp.down.bias
+    if bias is not None:
+        bias = bias.float().to(accel if hot is not None else CPU)
+    pdev = CPU
+    if predictor is not None:
+        if pred_on_device and isinstance(predictor, nn.Module):
+            predictor, pdev = move_module(predictor, accel), accel
+        predictor = _ordered_predictor(predictor, order)
+    return HybridFFN(hot, cold, mlp.act, mlp.act_name, accel, home, bias, predictor, pdev, worker)
+
+
+def apply_placement(model: CausalLM, placement: Placement, accel: torch.device | str, ctx_size: int,
+                    stats: NeuronStats | None = None, kv_dtype=torch.float32) -> CausalLM:
+    """Move and split `model` (in place) as `placement` says; returns the model to run.
+    A CPU-only placement returns `model` itself."""
+    if not placement.on_device:
+        return model
+    accel = torch.device(accel)
+    if placement.mode == "neurons" and stats is None:
+        raise ValueError("a neurons placement needs the pack's NeuronStats (hotness order, predictors)")
+    worker = CpuWorker()
+    homes = []
+    for i, block in enumerate(model.layers):
+        home = accel if placement.attn_on_device[i] else CPU
+        if placement.attn_on_device[i]:
+            _move_block_core(block, accel)
+        if placement.mode == "layers":
+            if placement.n_hot[i]:
+                block.mlp = move_module(block.mlp, accel)
+        else:
+            preds = stats.predictors or [None] * len(model.layers)
+            block.mlp = _split_ffn(block.mlp, placement.n_hot[i], stats.order[i], accel, home, preds[i],
+                                   placement.predictor_on_device[i], worker)
+        homes.append(home)
+    if placement.head_on_device:
+        model.norm = move_module(model.norm, accel)
+        model.head = DeviceLinear.moved(model.head, accel)
+    return HybridCausalLM(model, placement, accel, ctx_size, homes, worker, kv_dtype)
