@@ -179,6 +179,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, None, 400, None, "stream"),
     ("/v1/chat/completions", {"messages": MSG, "stop": 5}, None, 400, None, "stop"),
     ("/v1/chat/completions", {"messages": MSG, "top_p": 1.5}, None, 400, None, "top_p"),
+    ("/v1/chat/completions", {"messages": MSG, "top_k": -1}, None, 400, None, "top_k"),
+    ("/v1/chat/completions", {"messages": MSG, "seed": 2**70}, None, 400, None, "seed"),
     ("/v1/chat/completions", {"messages": MSG, "model": "gpt-4o"}, None, 404, "model_not_found", "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * (CTX + 10)}]}, None, 400,
      "context_length_exceeded", "messages"),
@@ -212,6 +214,11 @@ def test_bad_api_key_and_unknown_route(server):
     assert httpx.get(server.url + "/health").status_code == 200  # only /v1/* is guarded
     r = httpx.get(server.url + "/v1/nothing-here", headers=AUTH)
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_huge_body_is_refused(server):
+    r = post(server, "/v1/completions", raw='{"prompt": "' + "a" * (9 << 20) + '"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_serving_continues_after_errors(server, client):

@@ -30,6 +30,7 @@ from .webui import PAGE
 
 log = logging.getLogger("sparseinfer.server")
 
+MAX_BODY_BYTES = 8 << 20  # far more text than any context holds
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
@@ -164,9 +165,13 @@ def _add_info_routes(app: FastAPI, settings: Settings, engine: Engine) -> None:
 
 # ----------------------------------------------------------------------------- generation routes
 async def _parse(request: Request, cls):
-    body = await request.body()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise P.APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", None, "request_too_large")
     try:
-        return cls.model_validate_json(body or b"")
+        return cls.model_validate_json(bytes(body))
     except ValidationError as e:
         raise P.validation_error(e) from None
 

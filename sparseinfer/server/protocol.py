@@ -74,11 +74,11 @@ class _SamplingRequest(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch's generator accepts
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     n: int = 1

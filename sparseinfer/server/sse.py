@@ -13,6 +13,14 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 
+def _broken_socket(e: BaseException) -> bool:
+    """An OSError, or a task group's exception group made only of them: the client is gone."""
+    inner = getattr(e, "exceptions", None)
+    if inner is not None:
+        return all(_broken_socket(x) for x in inner)
+    return isinstance(e, OSError)
+
+
 def sse_data(obj) -> bytes:
     """One SSE event carrying a JSON object (or the literal `[DONE]`)."""
     payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -40,8 +48,9 @@ class SSEResponse(Response):
                 tg.start_soon(stream)
                 await self._wait_disconnect(receive)
                 tg.cancel_scope.cancel()
-        except OSError:  # the socket broke under us: same as a disconnect
-            pass
+        except Exception as e:
+            if not _broken_socket(e):
+                raise
         finally:
             self.on_close()
 
