@@ -15,7 +15,7 @@ import torch
 
 from .budget import BudgetError, budget_bytes, format_bytes, parse_vram_budget, resolve_device
 from .costs import cost_model
-from .model import HybridCausalLM, NeuronStats, apply_placement
+from .model import HybridCausalLM, NeuronStats, apply_placement, sparsify_dense
 from .placement import Placement, cached_plan, plan_layer_offload, plan_placement
 
 log = logging.getLogger("sparseinfer.hybrid")
@@ -35,7 +35,7 @@ def plan_for_model(model, budget: int, ctx_size: int, device_type: str = "cuda",
         raise ValueError(f"unknown offload mode {mode!r}: use neurons, layers or auto")
     if mode == "neurons" and stats is None:
         raise ValueError("neuron placement needs activation statistics (a sparsity pack)")
-    costs = cost_model(model, ctx_size, device_type, stats.predictors if stats is not None else None)
+    costs = cost_model(model, ctx_size, device_type)
     freqs = stats.hot_frequencies() if mode == "neurons" else None
     fp = fingerprint + (stats.fingerprint if stats is not None else "")
     if not fp:
@@ -50,7 +50,9 @@ def place_model(model, accel: torch.device | str, budget: int, ctx_size: int, st
     p = plan_for_model(model, budget, ctx_size, accel.type, stats, mode, fingerprint, use_cache, **params)
     for note in p.notes:
         log.warning(note)
-    return apply_placement(model, p, accel, ctx_size, stats if p.mode == "neurons" else None), p
+    if p.mode == "neurons":
+        sparsify_dense(model, stats)
+    return apply_placement(model, p, accel, ctx_size), p
 
 
 def prepare(model, device: str | torch.device | None = "auto", vram_budget: str | float | None = None,

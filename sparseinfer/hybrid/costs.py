@@ -1,15 +1,16 @@
 """Device byte counts of a built model's parts (`CostModel`), in the format each part has on the device."""
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from ..models.layers import Rotary
 from ..quant import FLOAT_FORMATS, QWeight, from_float
-from .device_ops import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes
-from .ffn import down_t_format
+from ..sparse.ffn import SparseFFN
+from .device_ops import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes, qweight_device_nbytes
+from .ffn import DevicePredictor, FFNPart
 from .placement import CostModel, LayerCosts
 
 MiB = 1 << 20
@@ -55,13 +56,30 @@ def qrow_bytes(fmt: str, cols: int) -> int:
     return from_float(torch.zeros(1, cols), fmt).nbytes
 
 
-def neuron_bytes(mlp: nn.Module) -> int:
-    """Device bytes of one FFN neuron: gate row, up row, down_t row, gate/up bias entries."""
-    up, down = mlp.up.weight, mlp.down.weight
-    b = up.row_bytes() + qrow_bytes(down_t_format(down.fmt), down.rows)
-    if mlp.gate is not None:
-        b += mlp.gate.weight.row_bytes() + (4 if mlp.gate.bias is not None else 0)
-    return b + (4 if mlp.up.bias is not None else 0)
+def neuron_bytes(ffn: nn.Module) -> int:
+    """Device bytes of one FFN neuron: gate row, up row, down_t row, gate/up bias entries.
+    A dense `MLP` is costed as the `SparseFFN` it would become (down_t: q8 for quantized)."""
+    if isinstance(ffn, SparseFFN):
+        return FFNPart.of(ffn).neuron_bytes()
+    up, down = ffn.up.weight, ffn.down.weight
+    b = up.row_bytes() + qrow_bytes(down.fmt if down.fmt in FLOAT_FORMATS else "q8", down.rows)
+    if ffn.gate is not None:
+        b += ffn.gate.weight.row_bytes() + (4 if ffn.gate.bias is not None else 0)
+    return b + (4 if ffn.up.bias is not None else 0)
+
+
+def predictor_device_bytes(ffn: nn.Module) -> int:
+    pred = getattr(ffn, "predictor", None)
+    return 0 if pred is None else DevicePredictor.device_bytes(pred)
+
+
+def dense_ffn_bytes(ffn: nn.Module) -> int:
+    """The FFN in its dense layout (layer offload): gate/up/down weights and biases."""
+    if isinstance(ffn, SparseFFN):
+        lins = [w for w in (ffn.gate, ffn.up) if w is not None]
+        return sum(qweight_device_nbytes(w) for w in lins) + device_bytes(ffn.down) + \
+            device_nbytes(ffn.gate_bias) + device_nbytes(ffn.up_bias)
+    return device_bytes(ffn)
 
 
 def kv_bytes(config, ctx_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -89,25 +107,29 @@ def scratch_bytes(config, ctx_size: int, n_ffn: int, device_type: str = "cuda",
     return b + (CUDA_WORKSPACE if device_type == "cuda" else 0)
 
 
-def cost_model(model, ctx_size: int, device_type: str = "cuda", predictors: Sequence[nn.Module | None] | None = None,
-               kv_dtype: torch.dtype = torch.float32, chunk: int = DEVICE_CHUNK) -> CostModel:
-    """The `CostModel` of a built `CausalLM` (dense `MLP` blocks) for a context of `ctx_size`."""
+def cost_model(model, ctx_size: int, device_type: str = "cuda", kv_dtype: torch.dtype = torch.float32,
+               chunk: int = DEVICE_CHUNK) -> CostModel:
+    """The `CostModel` of a built `CausalLM` (FFNs: `MLP` or `SparseFFN`) for `ctx_size` tokens."""
     c = model.config
-    predictors = list(predictors) if predictors is not None else [None] * len(model.layers)
-    layers = []
-    for block, pred in zip(model.layers, predictors):
-        norms = sum(device_bytes(ch) for ch in block.children() if ch is not block.attn and ch is not block.mlp)
+    layers, pred_hidden = [], 0
+    for block, ffn in zip(model.layers, ffn_modules(model)):
+        norms = sum(device_bytes(ch) for ch in block.children() if ch is not block.attn and ch is not ffn)
         layers.append(LayerCosts(attn=device_bytes(block.attn), kv=kv_bytes(c, ctx_size, kv_dtype), norms=norms,
-                                 predictor=device_bytes(pred) if isinstance(pred, nn.Module) else 0,
-                                 neuron=neuron_bytes(block.mlp), n_neurons=block.mlp.n_neurons,
-                                 dense_ffn=device_bytes(block.mlp)))
+                                 predictor=predictor_device_bytes(ffn), neuron=neuron_bytes(ffn),
+                                 n_neurons=ffn.n_neurons, dense_ffn=dense_ffn_bytes(ffn)))
+        pred = getattr(ffn, "predictor", None)
+        pred_hidden = max(pred_hidden, 0 if pred is None else pred.hidden_size)
     head = device_bytes(model.norm) + device_bytes(model.head)
     n_ffn = max(lc.n_neurons for lc in layers) if layers else 0
-    pred_hidden = max((_predictor_hidden(p) for p in predictors), default=0)
     scratch = scratch_bytes(c, ctx_size, n_ffn, device_type, pred_hidden, chunk)
     return CostModel(tuple(layers), head, scratch, FFN_TENSORS * 512)
 
 
-def _predictor_hidden(p) -> int:
-    """Widest activation a predictor makes (its largest tensor dimension, a safe bound)."""
-    return max((max(t.shape) for t in module_tensors(p) if t.dim()), default=0) if isinstance(p, nn.Module) else 0
+def ffn_modules(model) -> list[nn.Module]:
+    """Each layer's feed-forward module (`MLP` or `SparseFFN`), in layer order."""
+    from ..sparse.apply import ffn_slots
+
+    slots = ffn_slots(model)
+    if len(slots) != len(model.layers):
+        raise ValueError(f"found {len(slots)} feed-forward modules in {len(model.layers)} layers")
+    return [getattr(parent, name) for parent, name in slots]

@@ -6,7 +6,7 @@ transient memory is bounded whatever the matrix size.  The same code runs with t
 standing in for the accelerator, which is how the tests exercise it.
 
 A Triton kernel (fused gather + dequantize + dot) would avoid the float32 round trip; it is not
-here because it could not be measured or tested on a GPU yet.  The hook is `hot_ffn_sparse`.
+here because it could not be measured or tested on a GPU yet.  The hook is `HybridFFN._hot_rows`.
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def copy_rows(w: QWeight, start: int, end: int, device: torch.device | str = "cp
     return QWeight(w.fmt, end - start, w.cols, cut(w.qs), cut(w.d), cut(w.m))
 
 
-def dequant(w: QWeight) -> torch.Tensor:
-    """(rows, cols) float32 on the weight's device, in place where possible (bounded temporaries)."""
+def dequant(w: QWeight, with_mins: bool = True) -> torch.Tensor:
+    """(rows, cols) float32 on the weight's device, in place where possible (bounded temporaries).
+    `with_mins=False` leaves out the `m` term (padded to whole blocks then)."""
     if w.fmt == "f32":
         return w.qs
     if w.fmt in ("f16", "bf16"):
@@ -61,14 +62,27 @@ def dequant(w: QWeight) -> torch.Tensor:
         q[..., BLOCK // 2 :] = b >> 4
     q = q.view(rows, -1, BLOCK)
     q.mul_(w.d.float()[..., None])
-    if w.m is not None:
+    if w.m is not None and with_mins:
         q.add_(w.m.float()[..., None])
     q = q.view(rows, -1)
-    return q if q.shape[1] == w.cols else q[:, : w.cols]
+    return q if q.shape[1] == w.cols or not with_mins else q
 
 
 def chunk_rows(w: QWeight) -> int:
     return max(1, CHUNK_ELEMS // max(w.cols, 1))
+
+
+def fake_quant_x(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded the way the CPU kernels round activations for integer formats (8 bits per
+    block of 32, scale amax/127; `kernels.reference.quantize_activation`), and the exact block
+    sums the kernels use for the mins term; so the accelerator computes the same function of a
+    quantized model as the CPU, and predictors decide the same way on both."""
+    m, k = x2.shape
+    xb = F.pad(x2, (0, (-k) % BLOCK)).view(m, -1, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = (torch.round(xb * inv) * (amax / 127.0)).view(m, -1)
+    return xq, xb.sum(-1)
 
 
 def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
@@ -78,10 +92,17 @@ def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
     if w.fmt in ("f16", "bf16") and x2.device.type == "cuda":
         return (x2.to(w.qs.dtype) @ w.qs.T).float()  # tensor cores; inputs rounded to the weight type
     y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32, device=x2.device)
+    xq, sums = fake_quant_x(x2) if w.fmt in ("q8", "q4") else (x2, None)
     step = chunk_rows(w)
     for a in range(0, w.rows, step):
         b = min(w.rows, a + step)
-        y[:, a:b] = x2 @ dequant(row_slice(w, a, b)).T
+        part = row_slice(w, a, b)
+        if sums is None:
+            y[:, a:b] = xq @ dequant(part).T
+            continue
+        y[:, a:b] = xq @ dequant(part, with_mins=False).T
+        if part.m is not None:
+            y[:, a:b] += sums @ part.m.float().T
     return y
 
 
@@ -126,42 +147,3 @@ class DeviceLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, -1)
-
-
-def ffn_hidden(g: torch.Tensor | None, u: torch.Tensor, act, act_name: str) -> torch.Tensor:
-    """Per-neuron activation h from gate/up pre-activations (MLP.hidden's formula)."""
-    if g is None:
-        return act(u)
-    if act_name == "drelu":
-        u = F.relu(u)
-    return act(g) * u
-
-
-def hot_ffn_dense(x2: torch.Tensor, part, act, act_name: str) -> torch.Tensor:
-    """All neurons of `part` (an `FFNPart`) for (M, d) inputs -> (M, d_model)."""
-    g = None if part.gate is None else _lin(part.gate, part.gate_bias, x2)
-    u = _lin(part.up, part.up_bias, x2)
-    return matmul_t(ffn_hidden(g, u, act, act_name), part.down_t)
-
-
-def hot_ffn_sparse(x: torch.Tensor, part, ids: torch.Tensor, act, act_name: str) -> torch.Tensor:
-    """Neurons `ids` (positions within `part`, on its device) for one token x (d,) -> (d_model,).
-    Gathers the active rows chunk by chunk, so the scratch stays under CHUNK_ELEMS values."""
-    y = torch.zeros(part.down_t.cols, dtype=torch.float32, device=x.device)
-    step = chunk_rows(part.up)
-    for a in range(0, ids.numel(), step):
-        idx = ids[a : a + step]
-        g = None if part.gate is None else _lin(part.gate.select_rows(idx), _pick(part.gate_bias, idx), x[None])
-        u = _lin(part.up.select_rows(idx), _pick(part.up_bias, idx), x[None])
-        h = ffn_hidden(g, u, act, act_name)
-        y += matmul_t(h, part.down_t.select_rows(idx))[0]
-    return y
-
-
-def _lin(w: QWeight, bias: torch.Tensor | None, x2: torch.Tensor) -> torch.Tensor:
-    y = matmul(w, x2)
-    return y if bias is None else y + bias
-
-
-def _pick(bias: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
-    return None if bias is None else bias.index_select(0, idx)

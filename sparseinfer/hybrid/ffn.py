@@ -1,47 +1,62 @@
-"""`HybridFFN`: one FFN block split by hotness between an accelerator (hot prefix) and the CPU.
+"""`HybridFFN`: a `SparseFFN` split by hotness between an accelerator (hot prefix) and the CPU.
 
-Neurons are reordered by hotness, so the hot set is the prefix [0, n_hot) and the cold set the
-rest.  Per token, the predictor's active set is split: active hot neurons run on the
-accelerator with torch ops (`device_ops`), active cold neurons on the CPU with the C sparse
-kernels in a worker thread (they release the GIL, so the two really overlap), and the two
-partial sums are added on the accelerator.  Without a predictor, or for several tokens at once
-(prefill, batches), every neuron is computed: the result is the dense FFN, split the same way.
+`SparseFFN` (sparseinfer.sparse) stores neurons in hotness order, so the hot set is the prefix
+[0, n_hot) and the cold set the rest.  `HybridFFN` computes exactly what that `SparseFFN`
+computes (same threshold, predictor and modes), with the work split:
+
+- one token (decode) with a predictor: the predicted rows are split at n_hot; the active hot
+  rows run on the accelerator with torch ops (`device_ops`), the active cold rows on the CPU
+  with the C sparse kernels in a worker thread (they release the GIL, so the two overlap);
+- several tokens (prefill, batches) or no predictor: every neuron, hot block on the
+  accelerator, cold block on the CPU, threshold (and per-token predictor) masks applied;
+
+and the two partial sums are added on the accelerator.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu
-from ..models.layers import kernel_act_name
-from ..quant import FLOAT_FORMATS, QWeight, from_float
+from ..quant import QWeight
+from ..sparse.ffn import MODES, DecodeStats, SparseFFN
 from . import device_ops as dev
-
-# predictor protocol: x (d_model,) -> bool mask (n_neurons,) over neurons in *hotness order*
-Predictor = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class FFNPart:
     """A contiguous range of neurons (in hotness order) on one device."""
 
-    gate: QWeight | None      # (n, d_model) rows, or None (non-gated FFN)
+    gate: QWeight | None      # (n, d_model) rows, or None (plain FFN)
     up: QWeight               # (n, d_model)
     down_t: QWeight           # (n, d_model): the down projection, neuron-major
     gate_bias: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, ffn: SparseFFN) -> "FFNPart":
+        return cls(ffn.gate, ffn.up, ffn.down_t, ffn.gate_bias, ffn.up_bias)
+
     @property
     def n(self) -> int:
         return self.up.rows
 
+    @property
+    def first(self) -> QWeight:
+        """The projection whose activation decides activity (gate, or up without a gate)."""
+        return self.up if self.gate is None else self.gate
+
+    @property
+    def first_bias(self) -> torch.Tensor | None:
+        return self.up_bias if self.gate is None else self.gate_bias
+
     def rows(self, start: int, end: int, device: torch.device | str = "cpu") -> "FFNPart":
         """Neurons [start, end) copied to `device`."""
-        cut = lambda b: None if b is None else b[start:end].contiguous().to(device)  # noqa: E731
+        cut = lambda b: None if b is None else b[start:end].float().contiguous().to(device)  # noqa: E731
         gate = None if self.gate is None else dev.copy_rows(self.gate, start, end, device)
         return FFNPart(gate, dev.copy_rows(self.up, start, end, device), dev.copy_rows(self.down_t, start, end, device),
                        cut(self.gate_bias), cut(self.up_bias))
@@ -52,28 +67,30 @@ class FFNPart:
         return sum(dev.qweight_device_nbytes(w) for w in ws) + dev.device_nbytes(self.gate_bias) + \
             dev.device_nbytes(self.up_bias)
 
-
-def down_t_format(fmt: str) -> str:
-    """The format the transposed down projection is stored in (the original one)."""
-    return fmt
-
-
-def transpose_down(down: QWeight) -> QWeight:
-    """(d_model, n) -> (n, d_model) neuron-major. Float formats transpose exactly; quantized ones
-    are re-quantized along the new rows (their blocks ran along the neuron axis)."""
-    if down.fmt in FLOAT_FORMATS:
-        return QWeight(down.fmt, down.cols, down.rows, down.qs.T.contiguous())
-    return from_float(down.dequantize().T.contiguous(), down_t_format(down.fmt))
+    def neuron_bytes(self) -> int:
+        """Device bytes per neuron, without allocator rounding."""
+        b = self.up.row_bytes() + self.down_t.row_bytes() + (4 if self.up_bias is not None else 0)
+        if self.gate is not None:
+            b += self.gate.row_bytes() + (4 if self.gate_bias is not None else 0)
+        return b
 
 
-def mlp_part(mlp: nn.Module, order: torch.Tensor) -> FFNPart:
-    """A dense `MLP`'s neurons, reordered by hotness (`order[0]` is the hottest neuron id), on the CPU."""
-    order = order.long()
-    pick_b = lambda lin: None if lin.bias is None else lin.bias.float().index_select(0, order)  # noqa: E731
-    gate = None if mlp.gate is None else mlp.gate.weight.select_rows(order)
-    down_t = transpose_down(mlp.down.weight).select_rows(order)
-    return FFNPart(gate, mlp.up.weight.select_rows(order), down_t,
-                   None if mlp.gate is None else pick_b(mlp.gate), pick_b(mlp.up))
+class DevicePredictor:
+    """A `QPredictor`'s weights on the accelerator (same q8 format), same decision rule:
+    neuron k is predicted active when (W2 relu(W1 x + b1))_k > tau - b2_k."""
+
+    def __init__(self, qp, device: torch.device):
+        self.w1, self.w2 = qp.w1.to(device), qp.w2.to(device)
+        self.b1, self.cut = qp.b1.to(device), qp.cut.to(device)
+
+    @staticmethod
+    def device_bytes(qp) -> int:
+        return (dev.qweight_device_nbytes(qp.w1) + dev.qweight_device_nbytes(qp.w2) + dev.device_nbytes(qp.b1)
+                + dev.device_nbytes(qp.cut))
+
+    def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
+        z = torch.relu(dev.matmul(self.w1, x2) + self.b1)
+        return dev.matmul(self.w2, z) > self.cut
 
 
 class CpuWorker:
@@ -100,73 +117,193 @@ def _done(value) -> Future:
 
 
 class HybridFFN(nn.Module):
-    """Drop-in for `MLP`: hot neurons on `accel`, cold neurons on the CPU, outputs summed on `accel`.
+    """Drop-in for `MLP`/`SparseFFN`: hot neurons on `accel`, cold ones on the CPU.
 
-    hot: neurons [0, n_hot) already on `accel` (None when n_hot = 0); cold: the rest on the CPU
-    (None when every neuron is hot); `home`: where the block's residual stream lives (the
-    output goes back there); `down_bias` lives on `accel` (or the CPU with no hot part)."""
+    hot: neurons [0, n_hot) on `accel` (None when n_hot = 0); cold: the rest on the CPU (None
+    when every neuron is hot).  `home` is where the block's residual stream lives (the output
+    goes back there).  `predictor`: the pack's CPU `QPredictor`, or a `DevicePredictor`."""
 
     def __init__(self, hot: FFNPart | None, cold: FFNPart | None, act, act_name: str, accel: torch.device,
-                 home: torch.device, down_bias: torch.Tensor | None = None, predictor: Predictor | None = None,
-                 predictor_device: torch.device | None = None, worker: CpuWorker | None = None):
+                 home: torch.device, threshold: float = 0.0, down_bias: torch.Tensor | None = None,
+                 predictor=None, mode: str = "predict", worker: CpuWorker | None = None):
         super().__init__()
         self.hot, self.cold, self.act, self.act_name = hot, cold, act, act_name
         self.accel, self.home = torch.device(accel), torch.device(home)
-        self.down_bias, self.predictor = down_bias, predictor
-        self.predictor_device = torch.device(predictor_device or "cpu")
+        self.threshold, self.predictor, self.mode = float(threshold), predictor, mode
+        self.on_device_predictor = isinstance(predictor, DevicePredictor)
         self.worker = worker or CpuWorker()
         self.n_hot = 0 if hot is None else hot.n
         self.n_neurons = self.n_hot + (0 if cold is None else cold.n)
-        self._fused = cold is not None and cold.gate_bias is None and cold.up_bias is None and \
-            act_name != "drelu" and kernel_act_name(act_name) in ("silu", "relu", "gelu", "gelu_tanh")
+        self.out_device = self.accel if hot is not None else torch.device("cpu")
+        self.down_bias = None if down_bias is None else down_bias.float().to(self.out_device)
+        from ..models.layers import kernel_act_name
+
+        self.kernel_act = kernel_act_name(act_name)
+        self._fused = (self.threshold == 0.0 and act_name != "drelu" and self.kernel_act in
+                       ("silu", "relu", "gelu", "gelu_tanh") and (cold is None or (cold.gate_bias is None
+                                                                                   and cold.up_bias is None)))
         self._all_cold = None if cold is None else torch.arange(cold.n, dtype=torch.int32)
-        # statistics: active neurons seen on each side (decode steps only)
-        self.stats = {"tokens": 0, "hot_active": 0, "cold_active": 0}
+        self.stats = DecodeStats()
+        self.split = {"hot_rows": 0, "cold_rows": 0}  # predicted rows served by each side (decode)
+
+    @classmethod
+    def from_sparse(cls, ffn: SparseFFN, n_hot: int, accel: torch.device, home: torch.device,
+                    predictor_on_device: bool = False, worker: CpuWorker | None = None) -> "HybridFFN":
+        """Split a `SparseFFN`: rows [0, n_hot) copied to `accel`, the rest kept on the CPU."""
+        if ffn.density is not None:
+            raise ValueError("forced-density SparseFFNs (benchmark stand-ins) cannot be split")
+        part, n = FFNPart.of(ffn), ffn.n_neurons
+        hot = part.rows(0, n_hot, accel) if n_hot else None
+        cold = part.rows(n_hot, n, "cpu") if n_hot < n else None
+        pred = ffn.predictor
+        if pred is not None and predictor_on_device:
+            pred = DevicePredictor(pred, accel)
+        return cls(hot, cold, ffn.act, ffn.act_name, accel, home, ffn.threshold, ffn.down.bias, pred, ffn.mode, worker)
 
     @property
-    def out_device(self) -> torch.device:
-        return self.accel if self.hot is not None else torch.device("cpu")
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown SparseFFN mode {mode!r}; expected one of {MODES}")
+        self._mode = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
-        if x2.shape[0] == 1 and self.predictor is not None:
-            y = self._sparse(x2[0])[None]
+        single = x.dim() < 2 or x.shape[-2] == 1
+        if x2.shape[0] == 1 and self._mode == "predict" and self.predictor is not None:
+            y = self._decode(x2[0])[None]
         else:
-            y = self._dense(x2)
+            per_token = self.predictor is not None and (self._mode == "faithful" or (self._mode == "predict" and single))
+            y = self._dense(x2, per_token)
         return y.to(self.home).view(*lead, -1)
 
-    # -- several tokens, or no predictor: every neuron
-    def _dense(self, x2: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------ one token: predicted rows
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        hot_ids, cold_ids = self._predict(x)
         cold = None
         if self.cold is not None:
-            fn = self._cold_one if x2.shape[0] == 1 else self._cold_dense
-            cold = self._run_cold(fn, x2.to("cpu").contiguous(), self._all_cold)
-        hot = None if self.hot is None else dev.hot_ffn_dense(x2.to(self.accel), self.hot, self.act, self.act_name)
-        return self._sum(hot, cold)
-
-    # -- one token with a predictor: active neurons only
-    def _sparse(self, x: torch.Tensor) -> torch.Tensor:
-        mask = self.predictor(x.to(self.predictor_device))
-        mask_cpu = mask.to("cpu")
-        cold = None
-        if self.cold is not None:
-            ids = mask_cpu[self.n_hot:].nonzero().flatten().to(torch.int32)
-            self.stats["cold_active"] += int(ids.numel())
-            cold = self._run_cold(self._cold_one, x.to("cpu").contiguous()[None], ids)
+            self.split["cold_rows"] += int(cold_ids.numel())
+            cold = self._run_cold(self._cold_rows, x.to("cpu").contiguous(), cold_ids)
         hot = None
         if self.hot is not None:
-            hmask = mask[: self.n_hot].to(self.accel)
-            ids = hmask.nonzero().flatten()
-            self.stats["hot_active"] += int(ids.numel())
-            hot = dev.hot_ffn_sparse(x.to(self.accel), self.hot, ids, self.act, self.act_name)[None]
-        self.stats["tokens"] += 1
+            self.split["hot_rows"] += int(hot_ids.numel())
+            hot = self._hot_rows(x.to(self.accel), hot_ids)
+        self.stats.tokens += 1
         return self._sum(hot, cold)
 
-    def _run_cold(self, fn, x2: torch.Tensor, ids: torch.Tensor) -> Future:
+    def _predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hot row ids on the accelerator, cold row ids int32 on the CPU, relative to the cold part)."""
+        if self.on_device_predictor:
+            mask = self.predictor.mask_batch(x.to(self.accel)[None])[0]
+            hot = mask[: self.n_hot].nonzero().view(-1)
+            cold = mask[self.n_hot:].to("cpu").nonzero().view(-1).to(torch.int32)
+            return hot, cold
+        rows = self.predictor.active_rows(x.to("cpu").contiguous())  # int32, ascending
+        k = int(torch.searchsorted(rows, self.n_hot))
+        return rows[:k].long().to(self.accel), rows[k:] - self.n_hot
+
+    def _hot_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the hot part for one token, on the accelerator: the in-set threshold cut
+        is a mask (no device->host sync), zeroed rows add nothing."""
+        part = self.hot
+        y = torch.zeros(part.down_t.cols, dtype=torch.float32, device=x.device)
+        step = dev.chunk_rows(part.up)
+        for a in range(0, ids.numel(), step):
+            idx = ids[a: a + step]
+            pre = dev.matmul(part.first.select_rows(idx), x[None])[0]
+            if part.first_bias is not None:
+                pre = pre + part.first_bias.index_select(0, idx)
+            h = self._hidden_from_first(pre, part, idx, x)
+            y += dev.matmul_t(h[None], part.down_t.select_rows(idx))[0]
+        return y
+
+    def _hidden_from_first(self, pre: torch.Tensor, part: FFNPart, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        a = self.act(pre)
+        keep = a.abs() > self.threshold
+        if part.gate is None:
+            return a * keep
+        u = dev.matmul(part.up.select_rows(idx), x[None])[0]
+        if part.up_bias is not None:
+            u = u + part.up_bias.index_select(0, idx)
+        if self.act_name == "drelu":
+            u = F.relu(u)
+        return a * u * keep
+
+    def _cold_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` of the cold part for one token on the CPU (worker thread): the fused
+        kernel when no cut is needed, else staged like `SparseFFN._staged`."""
+        c = self.cold
+        if rows.numel() == 0:
+            return torch.zeros(c.down_t.cols)
+        if self._fused:
+            return cpu.sparse_ffn(x, c.gate, c.up, c.down_t, rows, self.kernel_act)
+        pre = cpu.gemv_rows(c.first, x, rows)
+        if c.first_bias is not None:
+            pre = pre + c.first_bias[rows]
+        a = self.act(pre)
+        keep = a.abs() > self.threshold
+        kept = rows[keep]
+        if kept.numel() == 0:
+            return torch.zeros(c.down_t.cols)
+        if c.gate is None:
+            h = a[keep]
+        else:
+            u = cpu.gemv_rows(c.up, x, kept)
+            if c.up_bias is not None:
+                u = u + c.up_bias[kept]
+            if self.act_name == "drelu":
+                u = F.relu(u)
+            h = a[keep] * u
+        return cpu.axpy_rows(c.down_t, h.contiguous(), kept)
+
+    # ------------------------------------------------------------------ many tokens: every neuron
+    def _dense(self, x2: torch.Tensor, per_token: bool) -> torch.Tensor:
+        pmask = None
+        if per_token:
+            p = self.predictor
+            pmask = p.mask_batch(x2.to(self.accel)) if self.on_device_predictor else p.mask_batch(x2.to("cpu"))
+        cold = None
+        if self.cold is not None:
+            cm = None if pmask is None else pmask[:, self.n_hot:].to("cpu")
+            cold = self._run_cold(self._cold_dense, x2.to("cpu").contiguous(), cm)
+        hot = None
+        if self.hot is not None:
+            hm = None if pmask is None else pmask[:, : self.n_hot].to(self.accel)
+            hot = self._part_dense(self.hot, x2.to(self.accel), hm, torch_lin=True)
+        return self._sum(hot, cold)
+
+    def _cold_dense(self, x2: torch.Tensor, pmask: torch.Tensor | None) -> torch.Tensor:
+        return self._part_dense(self.cold, x2, pmask, torch_lin=False)
+
+    def _part_dense(self, part: FFNPart, x2: torch.Tensor, pmask: torch.Tensor | None, torch_lin: bool) -> torch.Tensor:
+        """All neurons of `part`: h masked by the sparsified model's rule (|a| > t and h != 0)
+        and the per-token predictor mask, then the down projection."""
+        lin = dev.matmul if torch_lin else cpu.matmul
+
+        def proj(w, b):
+            y = lin(w, x2)
+            return y if b is None else y + b
+
+        a = self.act(proj(part.first, part.first_bias))
+        if part.gate is None:
+            h = a
+        else:
+            u = proj(part.up, part.up_bias)
+            h = a * (F.relu(u) if self.act_name == "drelu" else u)
+        mask = (a.abs() > self.threshold) & (h != 0)
+        if pmask is not None:
+            mask &= pmask
+        return dev.matmul_t(h * mask, part.down_t)
+
+    # ------------------------------------------------------------------ plumbing
+    def _run_cold(self, fn, *args) -> Future:
         if self.hot is None:  # nothing to overlap with: run here
-            return _done(fn(x2, ids))
-        return self.worker.submit(fn, x2, ids)
+            return _done(fn(*args))
+        return self.worker.submit(fn, *args)
 
     def _sum(self, hot: torch.Tensor | None, cold: Future | None) -> torch.Tensor:
         y = hot
@@ -175,32 +312,7 @@ class HybridFFN(nn.Module):
             y = yc.to(self.out_device) if y is None else y + yc.to(self.accel)
         return y if self.down_bias is None else y + self.down_bias
 
-    # -- CPU side (runs in the worker thread: C kernels release the GIL)
-    def _cold_one(self, x2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One token over neurons `ids` of the cold part -> (1, d_model)."""
-        c, x = self.cold, x2[0]
-        if self._fused:
-            return cpu.sparse_ffn(x, c.gate, c.up, c.down_t, ids, kernel_act_name(self.act_name))[None]
-        u = cpu.gemv_rows(c.up, x, ids)
-        if c.up_bias is not None:
-            u = u + c.up_bias[ids.long()]
-        g = None
-        if c.gate is not None:
-            g = cpu.gemv_rows(c.gate, x, ids)
-            if c.gate_bias is not None:
-                g = g + c.gate_bias[ids.long()]
-        h = dev.ffn_hidden(g, u, self.act, self.act_name).contiguous()
-        return cpu.axpy_rows(c.down_t, h, ids)[None]
-
-    def _cold_dense(self, x2: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """All cold neurons for (M, d) inputs -> (M, d_model)."""
-        c = self.cold
-        u = cpu.matmul(c.up, x2)
-        if c.up_bias is not None:
-            u = u + c.up_bias
-        g = None
-        if c.gate is not None:
-            g = cpu.matmul(c.gate, x2)
-            if c.gate_bias is not None:
-                g = g + c.gate_bias
-        return dev.matmul_t(dev.ffn_hidden(g, u, self.act, self.act_name), c.down_t)
+    def extra_repr(self) -> str:
+        return (f"n_hot={self.n_hot}/{self.n_neurons} on {self.accel}, act={self.act_name}, "
+                f"threshold={self.threshold:.4g}, mode={self._mode}, predictor="
+                f"{'device' if self.on_device_predictor else 'cpu' if self.predictor is not None else 'none'}")

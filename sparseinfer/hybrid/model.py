@@ -17,11 +17,13 @@ from torch import nn
 from ..errors import SparseInferError
 from ..kv_cache import KVCache, LayerKV
 from ..models.base import CausalLM
-from ..models.layers import Linear, Rotary
+from ..models.layers import MLP, Linear, Rotary
 from ..quant import QWeight
+from ..sparse.apply import ffn_slots
+from ..sparse.ffn import SparseFFN
 from .costs import DEVICE_CHUNK
 from .device_ops import DeviceLinear
-from .ffn import CpuWorker, HybridFFN, Predictor, mlp_part
+from .ffn import CpuWorker, HybridFFN
 from .placement import Placement
 
 CPU = torch.device("cpu")
@@ -29,12 +31,16 @@ CPU = torch.device("cpu")
 
 @dataclass
 class NeuronStats:
-    """What placement and execution need from a sparsity pack, per layer (original neuron ids)."""
+    """What placement needs from a sparsity pack, per layer (original neuron ids)."""
 
-    frequency: list[torch.Tensor]               # (n,) activation frequency of each neuron
-    order: list[torch.Tensor]                   # (n,) neuron ids, hottest first
-    predictors: list[Predictor | None] | None = None  # x (d,) -> bool mask (n,) over original ids
+    frequency: list[torch.Tensor]   # (n,) activation frequency of each neuron
+    order: list[torch.Tensor]       # (n,) neuron ids, hottest first
     fingerprint: str = ""
+
+    @classmethod
+    def from_pack(cls, pack) -> "NeuronStats":
+        """From a `SparsityPack`."""
+        return cls([lp.freq for lp in pack.layers], [lp.order for lp in pack.layers], pack.fingerprint)
 
     def hot_frequencies(self) -> list:
         """Per layer, frequencies in hotness order (numpy), as the planner wants them."""
@@ -143,68 +149,54 @@ def move_module(m: nn.Module, device: torch.device) -> nn.Module:
     return m
 
 
-def _move_block_core(block: nn.Module, device: torch.device) -> None:
+def _move_block_core(block: nn.Module, ffn: nn.Module, device: torch.device) -> None:
     """Attention and norms of a block to `device`; the FFN is handled separately."""
     for name, child in list(block.named_children()):
-        if child is not block.mlp:
+        if child is not ffn:
             setattr(block, name, move_module(child, device))
 
 
-def _ordered_predictor(pred: Predictor, order: torch.Tensor) -> Predictor:
-    """A predictor over original neuron ids -> one over neurons in hotness order."""
-    cache: dict = {}
-
-    def predict(x: torch.Tensor) -> torch.Tensor:
-        mask = pred(x)
-        idx = cache.get(mask.device)
-        if idx is None:
-            idx = cache[mask.device] = order.long().to(mask.device)
-        return mask.index_select(0, idx)
-
-    return predict
+def sparsify_dense(model: CausalLM, stats: NeuronStats) -> None:
+    """Layers whose FFN is still a dense `MLP` get a `SparseFFN` in the stats' hotness order
+    without predictor (it computes the dense FFN): the unit the hybrid split works on."""
+    for i, (parent, name) in enumerate(ffn_slots(model)):
+        ffn = getattr(parent, name)
+        if isinstance(ffn, MLP):
+            setattr(parent, name, SparseFFN(ffn, 0.0, stats.order[i].long(), None))
 
 
-def _split_ffn(mlp: nn.Module, n_hot: int, order: torch.Tensor, accel: torch.device, home: torch.device,
-               predictor, pred_on_device: bool, worker: CpuWorker) -> nn.Module:
-    if n_hot == 0 and predictor is None:
-        return mlp  # all dense on the CPU: the original module is the fastest there
-    part = mlp_part(mlp, order)
-    n = part.n
-    hot = part.rows(0, n_hot, accel) if n_hot else None
-    cold = part.rows(n_hot, n, CPU) if n_hot < n else None
-    bias = mlp.down.bias
-    if bias is not None:
-        bias = bias.float().to(accel if hot is not None else CPU)
-    pdev = CPU
-    if predictor is not None:
-        if pred_on_device and isinstance(predictor, nn.Module):
-            predictor, pdev = move_module(predictor, accel), accel
-        predictor = _ordered_predictor(predictor, order)
-    return HybridFFN(hot, cold, mlp.act, mlp.act_name, accel, home, bias, predictor, pdev, worker)
+def _split_ffn(ffn: nn.Module, n_hot: int, accel: torch.device, home: torch.device, pred_on_device: bool,
+               worker: CpuWorker) -> nn.Module:
+    if not isinstance(ffn, SparseFFN):
+        raise ValueError(f"neuron placement needs SparseFFN blocks, found {type(ffn).__name__}")
+    if n_hot == 0 and not (pred_on_device and ffn.predictor is not None):
+        return ffn  # all on the CPU: the SparseFFN as it is
+    return HybridFFN.from_sparse(ffn, n_hot, accel, home, pred_on_device, worker)
 
 
 def apply_placement(model: CausalLM, placement: Placement, accel: torch.device | str, ctx_size: int,
-                    stats: NeuronStats | None = None, kv_dtype=torch.float32) -> CausalLM:
+                    kv_dtype=torch.float32) -> CausalLM:
     """Move and split `model` (in place) as `placement` says; returns the model to run.
+    Neurons mode wants `SparseFFN` blocks (see `sparsify_dense`); layers mode dense `MLP`s.
     A CPU-only placement returns `model` itself."""
     if not placement.on_device:
         return model
     accel = torch.device(accel)
-    if placement.mode == "neurons" and stats is None:
-        raise ValueError("a neurons placement needs the pack's NeuronStats (hotness order, predictors)")
     worker = CpuWorker()
     homes = []
-    for i, block in enumerate(model.layers):
+    for i, (block, name) in enumerate(ffn_slots(model)):
+        ffn = getattr(block, name)
         home = accel if placement.attn_on_device[i] else CPU
         if placement.attn_on_device[i]:
-            _move_block_core(block, accel)
+            _move_block_core(block, ffn, accel)
         if placement.mode == "layers":
+            if not isinstance(ffn, MLP):
+                raise ValueError("dense layer offload runs the dense model: load it without a sparsity pack")
             if placement.n_hot[i]:
-                block.mlp = move_module(block.mlp, accel)
+                setattr(block, name, move_module(ffn, accel))
         else:
-            preds = stats.predictors or [None] * len(model.layers)
-            block.mlp = _split_ffn(block.mlp, placement.n_hot[i], stats.order[i], accel, home, preds[i],
-                                   placement.predictor_on_device[i], worker)
+            setattr(block, name, _split_ffn(ffn, placement.n_hot[i], accel, home, placement.predictor_on_device[i],
+                                            worker))
         homes.append(home)
     if placement.head_on_device:
         model.norm = move_module(model.norm, accel)
