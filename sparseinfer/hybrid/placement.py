@@ -22,7 +22,6 @@ import heapq
 import itertools
 import json
 import logging
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -297,7 +296,7 @@ def plan_placement(costs: CostModel, hot_freqs: Sequence[np.ndarray] | None, bud
         raise ValueError(f"{len(hot_freqs)} frequency vectors for {len(costs.layers)} layers")
     p = _empty(costs, budget, device, "neurons")
     left = budget - costs.scratch
-    if left < 0:
+    if budget <= 0 or left < 0:
         return _cpu_only(p, f"VRAM budget {format_bytes(budget)} is below the {format_bytes(costs.scratch)} "
                             "of scratch the device needs; running on the CPU only")
     p.bytes["scratch"] = costs.scratch
@@ -321,7 +320,7 @@ def plan_layer_offload(costs: CostModel, budget: int, device: str = "cuda") -> P
     p = _empty(costs, budget, device, "layers")
     p.solver = "layers"
     left = budget - costs.scratch
-    if left < 0:
+    if budget <= 0 or left < 0:
         return _cpu_only(p, f"VRAM budget {format_bytes(budget)} is below the {format_bytes(costs.scratch)} "
                             "of scratch the device needs; running on the CPU only")
     p.bytes["scratch"] = costs.scratch
@@ -451,10 +450,6 @@ def _write_atomic(path: Path, text: str) -> None:
         log.warning("cannot cache the placement in %s: %s", path.parent, e)
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 __all__ = ["LayerCosts", "CostModel", "Placement", "Groups", "make_groups", "plan_placement", "plan_layer_offload",
            "solve_ilp", "solve_greedy", "solve_brute_force", "choose_hot", "total_value", "cached_plan",
-           "placement_key", "placement_dir", "math"]
+           "placement_key", "placement_dir"]
