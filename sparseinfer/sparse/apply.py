@@ -1,0 +1,142 @@
+"""Swap dense `MLP`s for `SparseFFN`s by rule after the model is built; find a model's pack.
+
+The rule: every child of a block in `model.layers` that is an `MLP` (the model files build
+them and never mention sparsity) is replaced in place by a `SparseFFN` made from it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from torch import nn
+
+from ..errors import SparsityPackError
+from ..models.layers import MLP
+from .ffn import SparseFFN
+
+PACK_SUFFIX = ".sparse"
+FOLDER_PACK = "sparsity.sparse"
+
+
+def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of each layer's feed-forward module, in layer order."""
+    slots = []
+    for block in model.layers:
+        for name, child in block.named_children():
+            if isinstance(child, (MLP, SparseFFN)):
+                slots.append((block, name))
+    return slots
+
+
+def replace_ffns(model: nn.Module, make: Callable[[int, MLP], nn.Module]) -> list[MLP]:
+    """Replace each dense `MLP` by `make(layer, mlp)`; return the MLPs (for `restore`)."""
+    originals = []
+    for i, (parent, name) in enumerate(ffn_slots(model)):
+        mlp = getattr(parent, name)
+        if not isinstance(mlp, MLP):
+            raise SparsityPackError("the model is already sparsified; load it again with dense=True")
+        originals.append(mlp)
+        setattr(parent, name, make(i, mlp))
+    return originals
+
+
+def restore(model: nn.Module, originals: list[MLP]) -> None:
+    for (parent, name), mlp in zip(ffn_slots(model), originals):
+        setattr(parent, name, mlp)
+
+
+def sparse_ffns(model: nn.Module) -> list[SparseFFN]:
+    return [getattr(p, n) for p, n in ffn_slots(model) if isinstance(getattr(p, n), SparseFFN)]
+
+
+def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float | None = None,
+             build_decode: bool = True) -> nn.Module:
+    """Replace every MLP by a `SparseFFN` from `pack` (a `SparsityPack`), in place.
+
+    Without a pack only forced-density decoding makes sense (`density` must be given): each
+    token then uses a random set of rows (a speed stand-in for a ReLU model of that density)."""
+    if pack is None and density is None:
+        raise ValueError("sparsify needs a sparsity pack or a forced density")
+    if density is not None and not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+
+    def make(i: int, mlp: MLP) -> SparseFFN:
+        if pack is None:
+            return SparseFFN(mlp, mode=mode, density=density)
+        if i >= len(pack.layers):
+            raise SparsityPackError(f"sparsity pack has {len(pack.layers)} layers, the model more")
+        pack.check_layer(i, mlp.n_neurons)
+        layer = pack.layers[i]
+        return SparseFFN(mlp, layer.threshold, layer.order, layer.predictor(), mode=mode, density=density)
+
+    replace_ffns(model, make)
+    if build_decode:  # the neuron-major copies, now rather than inside the first timed decode
+        for ffn in sparse_ffns(model):
+            ffn.down_t
+    return model
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    for ffn in sparse_ffns(model):
+        ffn.mode = mode
+
+
+def reset_stats(model: nn.Module) -> None:
+    for ffn in sparse_ffns(model):
+        ffn.stats.reset()
+
+
+def decode_stats(model: nn.Module) -> dict:
+    """Totals of the single-token path since the last `reset_stats`: tokens per layer, FFN
+    rows touched (fraction of all FFN rows), FFN + predictor bytes, predictor seconds."""
+    ffns = sparse_ffns(model)
+    if not ffns or ffns[0].stats.tokens == 0:
+        return {}
+    tokens = ffns[0].stats.tokens
+    rows = sum(f.stats.rows for f in ffns)
+    total_rows = sum(f.n_neurons * (2 if f.gate is None else 3) for f in ffns)
+    return {"tokens": tokens, "ffn_rows_touched_fraction": rows / (tokens * total_rows),
+            "ffn_bytes_per_token": sum(f.stats.bytes for f in ffns) / tokens,
+            "predictor_seconds": sum(f.stats.predictor_seconds for f in ffns)}
+
+
+def default_pack_path(model_path: str | os.PathLike) -> Path:
+    """`model.gguf` -> `model.gguf.sparse`; a Hugging Face folder -> `folder/sparsity.sparse`."""
+    p = Path(model_path)
+    return p / FOLDER_PACK if p.is_dir() else p.with_name(p.name + PACK_SUFFIX)
+
+
+def find_pack(model_path: str | os.PathLike) -> Path | None:
+    p = default_pack_path(model_path)
+    return p if p.is_file() else None
+
+
+def resolve_pack(model_path: str | os.PathLike, sparse, source=None):
+    """`sparse`: None/False (no pack), "auto" (the pack next to the model, if any) or a path.
+    Returns a checked `SparsityPack` or None."""
+    from .pack import SparsityPack
+
+    if sparse is None or sparse is False:
+        return None
+    if sparse == "auto":
+        path = find_pack(model_path)
+        if path is None:
+            return None
+    else:
+        path = Path(sparse)
+        if not path.is_file():
+            raise SparsityPackError(f"sparsity pack {path} not found; make one with `sparseinfer prepare MODEL`")
+    pack = SparsityPack.load(path)
+    if source is not None:
+        pack.check(source)
+    return pack
+
+
+def apply_sparsity(model: nn.Module, model_path, source, sparse="auto", density: float | None = None):
+    """The engine's hook: find/check the pack named by `sparse` and sparsify the model with it
+    (or, with only a forced `density`, without one).  Returns the pack or None."""
+    pack = resolve_pack(model_path, sparse, source)
+    if pack is not None or density is not None:
+        sparsify(model, pack, density=density)
+    return pack

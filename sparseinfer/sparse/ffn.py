@@ -1,0 +1,294 @@
+"""`SparseFFN`: the drop-in replacement of the dense `MLP` that exploits activation sparsity.
+
+The *sparsified model* it computes is defined by one number per layer, the threshold t:
+neuron i is active for a token when |a_i| > t and h_i != 0, where a = act(gate x) (gated FFNs)
+or act(up x) (plain FFNs) and h = a * up x is what `down` mixes.  ReLU-family FFNs use t = 0
+(active = nonzero, exactly the dense model); gated SiLU/GELU FFNs use a calibrated t > 0.
+Inactive neurons are exactly zero.
+
+Neurons are stored in hotness order (`order[k]` = original id of the k-th hottest neuron):
+gate/up rows are permuted (lossless row selection) and `down_t`, the neuron-major transpose of
+`down`, is built in that order, so the hot set is a contiguous prefix.  `down` itself keeps
+the original column order for the dense (T > 1) path, which un-permutes h instead.
+
+Modes (`mode`):
+- ``predict`` (runtime): one token (B = T = 1) runs the predictor, then the sparse kernels on
+  the predicted rows, with the threshold applied inside that set (false positives are zeroed
+  exactly as the sparsified model would).  Prefill (T > 1) is dense with the threshold mask;
+  batched decode (T = 1, B > 1) applies predictor x threshold masks per token.
+- ``faithful`` (perplexity): every token, T > 1 included, gets predictor mask x threshold mask
+  on the dense hidden activations: mathematically what per-token sparse decode computes.
+- ``threshold``: dense with the threshold mask only (the quality reference of the pack).
+- ``oracle``: decode on exactly the active rows (computed densely); for tests.
+`density` (bench): force the active fraction to D: the top-D rows by predictor score, or a
+fresh random set of rows per token when there is no predictor (speed only; see `_forced_rows`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.layers import MLP, Linear, kernel_act_name
+from ..quant import FLOAT_FORMATS, QWeight, from_float
+
+MODES = ("predict", "faithful", "threshold", "oracle")
+
+
+@dataclass
+class DecodeStats:
+    """Counters of the single-token path (reset by the benchmark after warm-up)."""
+
+    tokens: int = 0
+    rows: int = 0            # FFN weight rows read (gate + up + down_t), summed over tokens
+    bytes: int = 0           # FFN + predictor weight bytes read
+    predictor_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.tokens = self.rows = self.bytes = 0
+        self.predictor_seconds = 0.0
+
+
+def transpose_neuron_major(down: QWeight, order: torch.Tensor) -> QWeight:
+    """(d_model, n) `down` -> (n, d_model) neuron-major copy in `order`: float formats stay
+    exact, quantized ones are re-quantized to q8 (per-neuron rows of 32-blocks)."""
+    wt = down.dequantize().T.index_select(0, order).contiguous()
+    return from_float(wt, down.fmt if down.fmt in FLOAT_FORMATS else "q8")
+
+
+def _kernels():
+    from ..kernels import cpu
+
+    return cpu
+
+
+class SparseFFN(nn.Module):
+    """Activation-sparse FFN with the `MLP` call signature (see the module docstring)."""
+
+    def __init__(self, mlp: MLP, threshold: float = 0.0, order: torch.Tensor | None = None,
+                 predictor=None, mode: str = "predict", density: float | None = None):
+        super().__init__()
+        n = mlp.n_neurons
+        self.n_neurons, self.d_model = n, mlp.down.out_features
+        self.act_name, self.act = mlp.act_name, mlp.act
+        self.kernel_act = kernel_act_name(mlp.act_name)
+        self.threshold = float(threshold)
+        self.order = torch.arange(n) if order is None else order.long()
+        self.inverse = torch.argsort(self.order)
+        self.permuted = not bool(torch.equal(self.order, torch.arange(n)))
+        pick = self._permute_rows
+        self.gate = None if mlp.gate is None else pick(mlp.gate.weight)
+        self.up = pick(mlp.up.weight)
+        self.gate_bias = None if mlp.gate is None else self._permute_vec(mlp.gate.bias)
+        self.up_bias = self._permute_vec(mlp.up.bias)
+        self.down = mlp.down
+        self._down_t: QWeight | None = None
+        self.predictor = predictor
+        self.density = density
+        self.mode = mode
+        self.observer = None  # calibration hook: observer(ffn, x2, a, mask)
+        self.stats = DecodeStats()
+
+    # ------------------------------------------------------------------ set-up
+    def _permute_rows(self, w: QWeight) -> QWeight:
+        return w.select_rows(self.order) if self.permuted else w
+
+    def _permute_vec(self, b: torch.Tensor | None) -> torch.Tensor | None:
+        if b is None:
+            return None
+        return b.float().index_select(0, self.order) if self.permuted else b.float()
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown SparseFFN mode {mode!r}; expected one of {MODES}")
+        self._mode = mode
+
+    @property
+    def down_t(self) -> QWeight:
+        """(n, d_model) neuron-major `down`, built on first use."""
+        if self._down_t is None:
+            self._down_t = transpose_neuron_major(self.down.weight, self.order)
+        return self._down_t
+
+    @property
+    def first(self) -> QWeight:
+        """The projection whose activation decides activity: gate (gated FFNs) or up."""
+        return self.up if self.gate is None else self.gate
+
+    @property
+    def first_bias(self) -> torch.Tensor | None:
+        return self.up_bias if self.gate is None else self.gate_bias
+
+    @property
+    def _fusable(self) -> bool:
+        """The fused kernel computes exactly the sparsified model on any superset of the active
+        rows when no threshold cut and no bias is needed (ReLU zeroes false positives itself)."""
+        return (self.threshold == 0.0 and self.act_name != "drelu" and self.gate_bias is None
+                and self.up_bias is None and self.kernel_act in ("silu", "relu", "gelu", "gelu_tanh"))
+
+    # ------------------------------------------------------------------ dense (T > 1) path
+    def hidden(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M, d) -> (a, h), both (M, n) in hotness order, before masking."""
+        lin = lambda w, b: Linear(w, b)(x2)  # noqa: E731
+        a = self.act(lin(self.first, self.first_bias))
+        if self.gate is None:
+            return a, a
+        u = lin(self.up, self.up_bias)
+        if self.act_name == "drelu":
+            u = F.relu(u)
+        return a, a * u
+
+    def active_mask(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The sparsified model's active set: |a| > t and h != 0."""
+        return (a.abs() > self.threshold) & (h != 0)
+
+    def mask(self, x2: torch.Tensor, a: torch.Tensor, h: torch.Tensor, per_token: bool) -> torch.Tensor:
+        """Which neurons contribute, (M, n) bool.  Forced density: the top-D predicted rows
+        only, per token (all rows for T > 1 without a predictor).  Otherwise the active set,
+        intersected with the per-token predicted set when `per_token`."""
+        if self.density is not None:
+            return self._predicted_mask(x2) if per_token else torch.ones_like(h, dtype=torch.bool)
+        mask = self.active_mask(a, h)
+        if per_token and self.predictor is not None:
+            mask &= self.predictor.mask_batch(x2)
+        return mask
+
+    def _dense(self, x2: torch.Tensor, per_token_predictor: bool) -> torch.Tensor:
+        a, h = self.hidden(x2)
+        mask = self.mask(x2, a, h, per_token_predictor)
+        if self.observer is not None:
+            self.observer(self, x2, a, mask)
+        h = h * mask
+        if self.permuted:
+            h = h.index_select(1, self.inverse)
+        return self.down(h)
+
+    def _predicted_mask(self, x2: torch.Tensor) -> torch.Tensor:
+        """Forced density: the top-D rows by predictor score, per token."""
+        if self.predictor is None:
+            return torch.ones(x2.shape[0], self.n_neurons, dtype=torch.bool)
+        top = self.predictor.scores_batch(x2).topk(self._k(), dim=1).indices
+        return torch.zeros(x2.shape[0], self.n_neurons, dtype=torch.bool).scatter_(1, top, True)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        single = x.dim() < 2 or x.shape[-2] == 1  # one position per sequence: decode
+        if x2.shape[0] == 1 and self._mode in ("predict", "oracle") and self.observer is None:
+            return self.decode(x2[0]).view(*lead, -1)
+        per_token = self._mode == "faithful" or (self._mode == "predict" and single)
+        return self._dense(x2, per_token).view(*lead, -1)
+
+    # ------------------------------------------------------------------ decode (one token)
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """x (d,) -> y (d,): predictor -> rows -> sparse kernels (threshold applied in-set)."""
+        rows = self._rows(x)
+        y = self._sparse_rows(x, rows)
+        if self.down.bias is not None:
+            y = y + self.down.bias
+        return y
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Candidate active rows (hotness-order ids, int32, ascending)."""
+        if self._mode == "oracle":
+            a, h = self.hidden(x[None])
+            return self.active_mask(a, h)[0].nonzero().view(-1).to(torch.int32)
+        if self.density is not None:
+            return self._forced_rows(x)
+        if self.predictor is None:
+            return torch.arange(self.n_neurons, dtype=torch.int32)
+        t0 = time.perf_counter()
+        rows = self.predictor.active_rows(x)
+        self.stats.predictor_seconds += time.perf_counter() - t0
+        self.stats.bytes += self.predictor.nbytes
+        return rows
+
+    def _k(self) -> int:
+        return max(1, min(self.n_neurons, round(self.density * self.n_neurons)))
+
+    def _forced_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Exactly round(D * n) rows: the predictor's top scores, or (no pack) a fresh random
+        set per token, a stand-in for the scattered rows of a ReLU model at that density."""
+        k = self._k()
+        if self.predictor is None:
+            return torch.randperm(self.n_neurons)[:k].sort().values.to(torch.int32)
+        t0 = time.perf_counter()
+        rows = self.predictor.top_rows(x, k)
+        self.stats.predictor_seconds += time.perf_counter() - t0
+        self.stats.bytes += self.predictor.nbytes
+        return rows
+
+    def _sparse_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        cpu = _kernels()
+        st = self.stats
+        st.tokens += 1
+        n_mats = 2 if self.gate is None else 3
+        if rows.numel() == 0:
+            return torch.zeros(self.d_model)
+        forced = self.density is not None
+        if self._fusable or (forced and self._fusable_forced):
+            st.rows += n_mats * rows.numel()
+            st.bytes += rows.numel() * self._row_bytes()
+            return cpu.sparse_ffn(x, self.gate, self.up, self.down_t, rows, self.kernel_act)
+        return self._staged(cpu, x, rows, -1.0 if forced else self.threshold)
+
+    @property
+    def _fusable_forced(self) -> bool:
+        return self.act_name != "drelu" and self.gate_bias is None and self.up_bias is None
+
+    def _staged(self, cpu, x: torch.Tensor, rows: torch.Tensor, cut: float) -> torch.Tensor:
+        """First projection on the candidate rows, threshold cut, then up/down on the kept rows."""
+        pre = cpu.gemv_rows(self.first, x, rows)
+        if self.first_bias is not None:
+            pre = pre + self.first_bias[rows]
+        a = self.act(pre)
+        keep = a.abs() > cut
+        if self.gate is not None:
+            kept = rows[keep]
+            u = cpu.gemv_rows(self.up, x, kept) if kept.numel() else torch.zeros(0)
+            if self.up_bias is not None:
+                u = u + self.up_bias[kept]
+            if self.act_name == "drelu":
+                u = F.relu(u)
+            h = a[keep] * u
+        else:
+            kept, h = rows[keep], a[keep]
+        st = self.stats
+        n_second = 2 if self.gate is not None else 1
+        st.rows += rows.numel() + n_second * kept.numel()
+        st.bytes += rows.numel() * self.first.row_bytes() + kept.numel() * (
+            self.down_t.row_bytes() + (self.up.row_bytes() if self.gate is not None else 0))
+        if kept.numel() == 0:
+            return torch.zeros(self.d_model)
+        return cpu.axpy_rows(self.down_t, h.contiguous(), kept)
+
+    def _row_bytes(self) -> int:
+        b = self.up.row_bytes() + self.down_t.row_bytes()
+        return b + (self.gate.row_bytes() if self.gate is not None else 0)
+
+    # ------------------------------------------------------------------ reference
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Slow, obvious per-token computation of what `forward` computes in the current mode:
+        dense hidden activations, masked by threshold (x predictor, unless `threshold` mode)."""
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        out = []
+        for row in x2:
+            a, h = self.hidden(row[None])
+            mask = self.mask(row[None], a, h, per_token=self._mode in ("predict", "faithful"))
+            h = (h * mask)[:, self.inverse]
+            out.append(h @ self.down.weight.dequantize().T + (0 if self.down.bias is None else self.down.bias))
+        return torch.cat(out).view(*x.shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        return (f"n_neurons={self.n_neurons}, act={self.act_name}, threshold={self.threshold:.4g}, "
+                f"mode={self._mode}, predictor={'yes' if self.predictor is not None else 'no'}, "
+                f"density={self.density}")

@@ -1,0 +1,259 @@
+"""Activation predictors: one small MLP per layer, x -> relu(W1 x + b1) -> W2 . + b2 -> logits
+over the layer's neurons (in hotness order); a neuron is predicted active when its logit > tau.
+
+Training (torch on CPU) is recall-oriented: missed neurons cost quality, extra ones only
+speed.  tau is tuned on held-out tokens to reach a recall target, and recall/precision/density
+are then measured on *other* held-out tokens, so the reported numbers are honest estimates.
+The hidden size adapts per layer (PowerInfer's adaptive predictors): sizes are tried from a
+ladder, smallest first, and the one with the fewest bytes read per token, predictor plus the
+FFN rows it selects, wins.  At run time `QPredictor` holds W1/W2 as q8 `QWeight`s and runs
+through our CPU kernels (`gemv` for decode, `matmul` for whole chunks).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..quant import from_float
+
+LADDER = (32, 64, 128, 256, 512, 1024)
+
+
+# ---------------------------------------------------------------------------- bit packing
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """(M, n) bool -> (M, ceil(n/8)) uint8, bit j of byte k = column 8k + j."""
+    m, n = mask.shape
+    pad = (-n) % 8
+    if pad:
+        mask = torch.cat([mask, torch.zeros(m, pad, dtype=torch.bool)], dim=1)
+    bits = mask.view(m, -1, 8).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: (M, ceil(n/8)) uint8 -> (M, n) bool."""
+    bits = (packed[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.view(packed.shape[0], -1)[:, :n].bool()
+
+
+# ---------------------------------------------------------------------------- runtime
+class QPredictor:
+    """A trained predictor in q8 for our kernels; rows it returns are hotness-order ids."""
+
+    def __init__(self, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+                 tau: float, fmt: str = "q8"):
+        from ..kernels import cpu
+
+        self._cpu = cpu
+        self.w1, self.w2 = from_float(w1.float(), fmt), from_float(w2.float(), fmt)
+        self.b1, self.b2 = b1.float().contiguous(), b2.float().contiguous()
+        self.tau = float(tau)
+        self.cut = (self.tau - self.b2).contiguous()  # logit > tau  <=>  W2 z > tau - b2
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w1.rows
+
+    @property
+    def n_neurons(self) -> int:
+        return self.w2.rows
+
+    @property
+    def nbytes(self) -> int:
+        return self.w1.nbytes + self.w2.nbytes + 4 * (self.b1.numel() + 2 * self.b2.numel())
+
+    def _raw(self, x: torch.Tensor) -> torch.Tensor:
+        z = self._cpu.gemv(self.w1, x)
+        z.add_(self.b1).relu_()
+        return self._cpu.gemv(self.w2, z)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (n,) for one FFN input x (d,)."""
+        return self._raw(x) + self.b2
+
+    def active_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Predicted active rows, int32 ascending (the decode hot path)."""
+        return torch.nonzero(self._raw(x) > self.cut).view(-1).to(torch.int32)
+
+    def top_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The k highest-scoring rows, int32 ascending."""
+        return self.scores(x).topk(k).indices.sort().values.to(torch.int32)
+
+    def scores_batch(self, x2: torch.Tensor) -> torch.Tensor:
+        """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
+        z = self._cpu.matmul(self.w1, x2.float().contiguous())
+        z.add_(self.b1).relu_()
+        return self._cpu.matmul(self.w2, z) + self.b2
+
+    def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
+        return self.scores_batch(x2) > self.tau
+
+    def reference_scores(self, x2: torch.Tensor) -> torch.Tensor:
+        """Slow reference of `scores_batch`: dequantized weights, torch float math."""
+        z = torch.relu(x2.float() @ self.w1.dequantize().T + self.b1)
+        return z @ self.w2.dequantize().T + self.b2
+
+
+def q8_bytes(rows: int, cols: int) -> int:
+    """Bytes of a q8 QWeight of this shape (int8 values + one f16 scale per 32)."""
+    kp = (cols + 31) // 32 * 32
+    return rows * kp + rows * (kp // 32) * 2
+
+
+def predictor_bytes(d: int, r: int, n: int) -> int:
+    return q8_bytes(r, d) + q8_bytes(n, r) + 4 * (r + 2 * n)
+
+
+# ---------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    sizes: tuple[int, ...] = LADDER
+    recall: float = 0.99
+    steps: int = 400
+    batch: int = 256
+    lr: float = 3e-3
+    pos_weight: float = 2.0  # recall-oriented: a missed neuron costs more than an extra one
+    seed: int = 0
+
+
+@dataclass
+class PredictorResult:
+    """A trained predictor (float weights, normalization folded in) and its held-out metrics."""
+
+    state: dict[str, torch.Tensor]
+    tau: float
+    hidden: int
+    recall: float
+    precision: float
+    density_predicted: float
+    density_true: float
+    nbytes: int
+    cost_bytes: float  # predictor + selected FFN rows, bytes per token
+    tried: list[dict] = field(default_factory=list)
+
+    def runtime(self) -> QPredictor:
+        s = self.state
+        return QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], self.tau)
+
+
+class _Net(nn.Module):
+    def __init__(self, d: int, r: int, n: int, prior: torch.Tensor):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, r), nn.Linear(r, n)
+        with torch.no_grad():
+            self.fc2.weight.mul_(0.1)
+            self.fc2.bias.copy_(torch.logit(prior.clamp(1e-4, 1 - 1e-4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@dataclass
+class LayerData:
+    """One layer's recording: FFN inputs (N, d) f16, targets (N, ceil(n/8)) packed bits in
+    hotness order, and the split of tokens into train / tune (tau) / report (metrics)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    n: int
+    train: torch.Tensor
+    tune: torch.Tensor
+    report: torch.Tensor
+
+    def targets(self, idx: torch.Tensor) -> torch.Tensor:
+        return unpack_bits(self.y.index_select(0, idx), self.n)
+
+    def inputs(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.x.index_select(0, idx).float()
+
+
+def split_tokens(n_tokens: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole sequences to train (8 in 10), tune (1 in 10) and report (1 in 10), interleaved so
+    every split sees every kind of calibration text."""
+    seq = torch.arange(n_tokens) // seq_len
+    k = seq % 10
+    return (k < 8).nonzero().view(-1), (k == 8).nonzero().view(-1), (k == 9).nonzero().view(-1)
+
+
+def _train_net(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd: torch.Tensor,
+               prior: torch.Tensor) -> _Net:
+    g = torch.Generator().manual_seed(cfg.seed + r)
+    torch.manual_seed(cfg.seed + r)
+    net = _Net(data.x.shape[1], r, data.n, prior)
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
+    loss_fn = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(cfg.pos_weight))
+    ids = data.train
+    for _ in range(cfg.steps):
+        b = ids[torch.randint(len(ids), (min(cfg.batch, len(ids)),), generator=g)]
+        xb = (data.inputs(b) - mu) / sd
+        loss = loss_fn(net(xb), data.targets(b).float())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return net
+
+
+def _fold(net: _Net, mu: torch.Tensor, sd: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Fold the input standardization into fc1: W1 (x - mu)/sd + b1 = (W1/sd) x + (b1 - W1/sd mu)."""
+    w1 = net.fc1.weight.detach() / sd
+    b1 = net.fc1.bias.detach() - w1 @ mu
+    return {"w1": w1.contiguous(), "b1": b1.contiguous(), "w2": net.fc2.weight.detach().contiguous(),
+            "b2": net.fc2.bias.detach().contiguous()}
+
+
+def tune_tau(logits: torch.Tensor, target: torch.Tensor, recall: float) -> float:
+    """The largest tau with recall(logits > tau) >= `recall` over all (token, neuron) pairs."""
+    pos = logits[target]
+    if pos.numel() == 0:
+        return float(logits.max()) if logits.numel() else 0.0
+    srt = pos.sort().values
+    k = min(int(math.floor((1.0 - recall) * pos.numel())), pos.numel() - 1)
+    return float(srt[k]) - 1e-6 * max(1.0, abs(float(srt[k])))
+
+
+def metrics(pred: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    """Micro-averaged recall and precision, predicted and true density, of bool (M, n) masks."""
+    tp = (pred & target).sum().item()
+    npred, ntrue, total = pred.sum().item(), target.sum().item(), max(target.numel(), 1)
+    return {"recall": tp / ntrue if ntrue else 1.0, "precision": tp / npred if npred else 1.0,
+            "density_predicted": npred / total, "density_true": ntrue / total}
+
+
+def _evaluate(state: dict, data: LayerData, cfg: TrainConfig) -> tuple[float, dict]:
+    q = QPredictor(state["w1"], state["b1"], state["w2"], state["b2"], 0.0)
+    tau = tune_tau(q.scores_batch(data.inputs(data.tune)), data.targets(data.tune), cfg.recall)
+    rep = q.scores_batch(data.inputs(data.report)) > tau
+    return tau, metrics(rep, data.targets(data.report))
+
+
+def train_predictor(data: LayerData, cfg: TrainConfig, ffn_row_bytes: int) -> PredictorResult:
+    """Train the ladder's sizes smallest first; keep the one with the lowest bytes per token
+    (predictor + predicted FFN rows); stop once a bigger size stops paying for itself."""
+    d = data.x.shape[1]
+    xt = data.inputs(data.train)
+    mu, sd = xt.mean(0), xt.std(0).clamp_min(1e-3)
+    del xt
+    prior = data.targets(data.train[: 4096]).float().mean(0)
+    sizes = [r for r in cfg.sizes if r <= max(cfg.sizes[0], min(d, data.n) // 2)]
+    best, tried = None, []
+    for r in sizes:
+        net = _train_net(data, r, cfg, mu, sd, prior)
+        state = _fold(net, mu, sd)
+        tau, m = _evaluate(state, data, cfg)
+        nbytes = predictor_bytes(d, r, data.n)
+        cost = nbytes + m["density_predicted"] * data.n * ffn_row_bytes
+        tried.append({"hidden": r, "cost_bytes": cost, **m})
+        res = PredictorResult(state, tau, r, m["recall"], m["precision"], m["density_predicted"],
+                              m["density_true"], nbytes, cost, tried)
+        if best is not None and cost >= best.cost_bytes:
+            break
+        best = res
+        if m["density_predicted"] <= 1.05 * m["density_true"]:
+            break  # nothing left to gain from a bigger predictor
+    best.tried = tried
+    return best

@@ -1,0 +1,229 @@
+"""`sparseinfer prepare MODEL`: calibrate, profile, train predictors, write the sparsity pack.
+
+1. thresholds (gated SiLU/GELU FFNs only): |act(gate x)| quantiles on calibration text, at a
+   target sparsity or the largest one within a perplexity budget (searched on a held-out slice);
+2. profile: run the sparsified model over the calibration text, count per-neuron activations,
+   order neurons by hotness; record FFN inputs (f16) and active masks (bits) per layer;
+3. predictors: per layer, the smallest-cost size from a ladder, tau tuned for the recall target;
+4. save the pack (+ activation-frequency plot), evaluate dense / thresholds / sparse perplexity
+   on the held-out slice, print a per-layer table.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import SparseInferError
+from ..quant import QWeight
+from . import calibrate as cal
+from .apply import default_pack_path, replace_ffns, restore, sparse_ffns, sparsify
+from .ffn import SparseFFN
+from .pack import SparsityPack, LayerPack
+from .predictor import LADDER, LayerData, TrainConfig, q8_bytes, split_tokens, train_predictor, unpack_bits, pack_bits
+from .profile import hotness_order, summarize
+
+RELU_ACTS = ("relu", "drelu")
+
+
+@dataclass
+class PrepareOptions:
+    data: str | None = None                 # calibration text (default: the ../shared/data mix)
+    target_sparsity: float | None = None    # gated models: fixed per-layer sparsity
+    max_ppl_increase: float | None = None   # gated models: search the sparsity (default 0.03)
+    tokens: int = 8192
+    seq_len: int = 256
+    batch: int = 8
+    eval_tokens: int = 2048
+    recall: float = 0.99
+    sizes: tuple[int, ...] = LADDER
+    steps: int = 400
+    output: str | None = None
+    plot: str | bool = True                 # True: PNG next to the pack; a path; False: none
+    evaluate: bool = True
+    progress: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of every distinct `QWeight` in the model (tied weights counted once)."""
+    seen = {}
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, QWeight):
+                seen[id(v.qs)] = v.nbytes
+    return sum(seen.values())
+
+
+def prepare(model_path, opts: PrepareOptions | None = None, threads: int | None = None) -> SparsityPack:
+    """Make and save the sparsity pack of one model; returns it (with `.path` set)."""
+    from ..engine import load
+
+    opts = opts or PrepareOptions()
+    if opts.target_sparsity is not None and opts.max_ppl_increase is not None:
+        raise SparseInferError("give --target-sparsity or --max-ppl-increase, not both")
+    if opts.target_sparsity is not None and not 0.0 <= opts.target_sparsity < 1.0:
+        raise SparseInferError(f"--target-sparsity must be in [0, 1), got {opts.target_sparsity}")
+    t_start = time.perf_counter()
+    llm = load(model_path, threads=threads, dense=True)
+    out = Path(opts.output) if opts.output else default_pack_path(llm.info.path)
+    cs = cal.calibration_set(llm.tokenizer, opts.data, opts.tokens, opts.seq_len, opts.eval_tokens, opts.seq_len * 2,
+                             opts.seed)
+    pack = build_pack(llm.model, llm.source, cs, opts, Path(llm.info.path).name)
+    if opts.plot:
+        from .plots import plot_activation_frequency
+
+        png = Path(opts.plot) if isinstance(opts.plot, (str, Path)) else out.with_name(out.name + ".png")
+        plot_activation_frequency([lp.freq for lp in pack.layers], png,
+                                  f"{pack.model['name']}: activation frequency ({pack.activation_source}, "
+                                  f"{cs.description['tokens']} calibration tokens)")
+        pack.info["plot"] = str(png)
+    pack.info["seconds"] = round(time.perf_counter() - t_start, 1)
+    pack.save(out)
+    return pack
+
+
+def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: str = "") -> SparsityPack:
+    """Thresholds, profile, predictors (and the held-out evaluation) of a dense model; the
+    model is left dense.  `cs.seqs`/`cs.eval` are token tensors, so tiny test models work too."""
+    mlps = replace_ffns(model, lambda i, m: SparseFFN(m, mode="threshold"))
+    ffns = sparse_ffns(model)
+    source = "relu" if all(f.act_name in RELU_ACTS for f in ffns) else "threshold"
+    info = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "recall_target": opts.recall,
+            "predictor_sizes": list(opts.sizes), "train_steps": opts.steps, **opts.extra}
+    try:
+        thresholds = [0.0] * len(ffns)
+        if source == "threshold":
+            thresholds, sinfo = _calibrate_thresholds(model, ffns, cs, opts)
+            info.update(sinfo)
+        cal.set_thresholds(ffns, thresholds)
+        rec = cal.Recorder(ffns, record=True)
+        cal.forward_batches(model, cs.seqs, opts.batch, "profile + record", opts.progress)
+        rec.detach(ffns)
+        layers = _train_layers(ffns, rec, rec.frequencies(), thresholds, cs, opts)
+        del rec
+    finally:
+        restore(model, mlps)
+    c = src.config
+    pack = SparsityPack(
+        fingerprint=src.fingerprint(),
+        model={"name": name or Path(src.path).name, "family": c.family, "model_type": c.model_type,
+               "hidden_act": ffns[0].act_name, "n_layers": len(ffns), "d_model": c.hidden_size,
+               "n_neurons": ffns[0].n_neurons, "weight_bytes": model_weight_bytes(model)},
+        activation_source=source, layers=layers, calibration=cs.description, info=info)
+    if opts.evaluate:
+        pack.info["eval"] = evaluate_pack(model, pack, cs.eval, opts.progress)
+    return pack
+
+
+def _calibrate_thresholds(model, ffns, cs: cal.CalibrationSet, opts: PrepareOptions):
+    n_seq = max(1, min(len(cs.seqs), 4096 // cs.seqs.shape[1]))
+    rec = cal.Recorder(ffns, sample_per_call=max(1, 200_000 * opts.batch // max(n_seq, 1)), seed=opts.seed)
+    for f in ffns:
+        f.threshold = 0.0
+    cal.forward_batches(model, cs.seqs[:n_seq], opts.batch, "threshold quantiles", opts.progress)
+    rec.detach(ffns)
+    samples = rec.sorted_samples()
+    info = {"threshold_calibration_tokens": int(n_seq * cs.seqs.shape[1])}
+    if opts.target_sparsity is not None:
+        s = opts.target_sparsity
+        info["target_sparsity"] = s
+    else:
+        budget = 0.03 if opts.max_ppl_increase is None else opts.max_ppl_increase
+        res = cal.search_sparsity(model, ffns, samples, cs.eval, budget, progress=opts.progress)
+        s = res.sparsity
+        info.update({"max_ppl_increase": budget, "target_sparsity": s, "search": res.history})
+    return cal.thresholds_at(samples, s), info
+
+
+def _train_layers(ffns, rec: cal.Recorder, freqs, thresholds, cs: cal.CalibrationSet, opts: PrepareOptions):
+    cfg = TrainConfig(sizes=tuple(opts.sizes), recall=opts.recall, steps=opts.steps, seed=opts.seed)
+    n_tok = cs.seqs.numel()
+    train, tune, report = split_tokens(n_tok, cs.seqs.shape[1])
+    layers = []
+    bar = tqdm(list(enumerate(ffns)), desc="predictors", unit="layer", disable=not opts.progress)
+    for i, f in bar:
+        order = hotness_order(freqs[i])
+        x = torch.cat(rec.xs[i])
+        y = _permute_bits(torch.cat(rec.ys[i]), order, f.n_neurons)
+        rec.xs[i], rec.ys[i] = [], []
+        row_bytes = f.first.row_bytes() + q8_bytes(1, f.d_model) + (0 if f.gate is None else f.up.row_bytes())
+        res = train_predictor(LayerData(x, y, f.n_neurons, train, tune, report), cfg, row_bytes)
+        stats = {"hidden": res.hidden, "recall": res.recall, "precision": res.precision,
+                 "density_predicted": res.density_predicted, "density_true": res.density_true,
+                 "predictor_bytes": res.nbytes, "tried": res.tried, **summarize(freqs[i])}
+        layers.append(LayerPack(thresholds[i], freqs[i], order, res.state, res.tau, stats))
+        bar.set_postfix(r=res.hidden, recall=f"{res.recall:.3f}", dens=f"{res.density_predicted:.2f}")
+    return layers
+
+
+def _permute_bits(y: torch.Tensor, order: torch.Tensor, n: int, chunk: int = 4096) -> torch.Tensor:
+    """Packed masks in original neuron order -> packed masks in hotness order."""
+    return torch.cat([pack_bits(unpack_bits(y[s: s + chunk], n).index_select(1, order))
+                      for s in range(0, len(y), chunk)])
+
+
+def evaluate_pack(model, pack: SparsityPack, seqs: torch.Tensor, progress: bool = True) -> dict:
+    """Held-out perplexity: dense, thresholds only (the sparsified model), thresholds +
+    predictors (faithful per-token sparse decode).  `model` must be dense; it is left dense."""
+    res = {"tokens_scored": int(seqs.shape[0] * (seqs.shape[1] - seqs.shape[1] // 2 - 1)),
+           "sequences": int(seqs.shape[0]), "seq_len": int(seqs.shape[1])}
+    res["ppl_dense"] = math.exp(cal.eval_nll(model, seqs, progress=progress, desc="eval dense"))
+    mlps = replace_ffns(model, lambda i, m: m)  # the dense MLPs, to put back afterwards
+    sparsify(model, pack, mode="threshold", build_decode=False)
+    res["ppl_threshold"] = math.exp(cal.eval_nll(model, seqs, progress=progress, desc="eval thresholds"))
+    for f in sparse_ffns(model):
+        f.mode = "faithful"
+    res["ppl_sparse"] = math.exp(cal.eval_nll(model, seqs, progress=progress, desc="eval sparse"))
+    restore(model, mlps)
+    return res
+
+
+def print_report(pack: SparsityPack, console=None) -> None:
+    """A rich table: per-layer threshold, density, skew, predictor size and held-out metrics."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"sparsity pack {pack.path} ({pack.activation_source})", show_lines=False)
+    for col in ("layer", "threshold", "density", "hot80", "hidden", "recall", "precision", "pred. density", "pred. KiB"):
+        t.add_column(col, justify="right")
+    for i, lp in enumerate(pack.layers):
+        s = lp.stats
+        t.add_row(str(i), f"{lp.threshold:.4f}", f"{s['density_true']:.3f}", f"{s['hot80']:.3f}", str(s["hidden"]),
+                  f"{s['recall']:.4f}", f"{s['precision']:.3f}", f"{s['density_predicted']:.3f}",
+                  f"{s['predictor_bytes'] / 1024:.0f}")
+    pb, mb = pack.predictor_nbytes, pack.model.get("weight_bytes", 0)
+    t.add_row("all", "", f"{pack.mean_stat('density_true'):.3f}", f"{pack.mean_stat('hot80'):.3f}", "",
+              f"{pack.mean_stat('recall'):.4f}", f"{pack.mean_stat('precision'):.3f}",
+              f"{pack.mean_stat('density_predicted'):.3f}", f"{pb / 1024:.0f}", style="bold")
+    console.print(t)
+    console.print(f"predictors: {pb / 2**20:.2f} MiB = {100 * pb / max(mb, 1):.2f}% of the model's {mb / 2**20:.1f} MiB")
+    ev = pack.info.get("eval")
+    if ev:
+        d = ev["ppl_dense"]
+        console.print(f"held-out perplexity ({ev['sequences']} x {ev['seq_len']} tokens): dense {d:.3f} | "
+                      f"thresholds {ev['ppl_threshold']:.3f} ({100 * (ev['ppl_threshold'] / d - 1):+.2f}%) | "
+                      f"sparse (predictors) {ev['ppl_sparse']:.3f} ({100 * (ev['ppl_sparse'] / d - 1):+.2f}%)")
+    if "target_sparsity" in pack.info:
+        console.print(f"threshold sparsity: {pack.info['target_sparsity']:.3f}")
+    if "plot" in pack.info:
+        console.print(f"activation plot: {pack.info['plot']}")
+
+
+def run_prepare(a) -> int:
+    """CLI entry (`sparseinfer prepare`)."""
+    opts = PrepareOptions(data=a.data, target_sparsity=a.target_sparsity, max_ppl_increase=a.max_ppl_increase,
+                          tokens=a.tokens, recall=a.recall, steps=a.steps, output=a.output,
+                          plot=False if a.no_plot else True, evaluate=not a.no_eval)
+    if a.sizes:
+        opts.sizes = tuple(int(s) for s in a.sizes.split(","))
+    pack = prepare(a.model, opts, threads=a.threads)
+    print_report(pack)
+    print(f"wrote {pack.path}")
+    return 0
