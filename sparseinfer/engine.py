@@ -92,8 +92,13 @@ class LLM:
         return self.stream_generate(self.encode_chat_text(self.format_chat(messages)), **kw)
 
 
-def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None) -> LLM:
-    """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct)."""
+def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
+         sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None) -> LLM:
+    """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
+
+    sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
+    prepare`), a path names a pack, None/`dense=True` keeps the dense model.  density: force the
+    FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`)."""
     from .io.tokenizer import Tokenizer
 
     if threads:
@@ -107,8 +112,16 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         tok = Tokenizer.from_gguf_metadata(src.metadata)
     else:
         tok = Tokenizer.from_folder(src.path)
+    pack = None
+    if not dense or density is not None:
+        from .sparse.apply import apply_sparsity
+
+        with torch.inference_mode():
+            pack = apply_sparsity(model, p, src, None if dense else sparse, density)
     info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
-    return LLM(model, tok, src, ctx_size, info)
+    llm = LLM(model, tok, src, ctx_size, info)
+    llm.sparsity = pack  # the SparsityPack in use, or None
+    return llm
 
 
 def set_threads(n: int) -> None:
