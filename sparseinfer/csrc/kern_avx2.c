@@ -321,7 +321,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
                  int64_t c0, int64_t c1, float *y) {
     memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     const int fmt = wt->fmt;
-    float ym[64 + 8];
+    float ym[128 + 8];
     const int64_t b0 = c0 / 32, nbc = (c1 - c0 + 31) / 32;
     memset(ym, 0, sizeof ym);
     for (int64_t j = 0; j < n; j++) {

@@ -475,22 +475,56 @@ static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
 
 /* ------------------------------------------------------------------------------ axpy */
 
-#define AXPY_MAXB 64 /* blocks of 32 columns per call: ops.c keeps chunks <= 2048 columns */
+#define AXPY_MAXB 128 /* blocks of 32 columns per call: ops.c keeps chunks <= 4096 columns */
+#ifndef AXPY_PF
+#define AXPY_PF 8    /* rows prefetched ahead */
+#endif
+
+/* Prefetch (into L2) the column segment [c0, c1) of the rows j..j+R-1, scales included. */
+AI void axpy_prefetch(const qmat_t *wt, const int32_t *rows, int64_t j, int64_t n, const int R, int64_t c0, int64_t c1) {
+    int64_t b0 = 0, b1 = 0, s0, s1;
+    if (wt->fmt >= FMT_Q8) {
+        b0 = c0 / 32;
+        b1 = (c1 + 31) / 32;
+        s0 = wt->fmt == FMT_Q8 ? b0 * 32 : b0 * 16;
+        s1 = wt->fmt == FMT_Q8 ? b1 * 32 : b1 * 16;
+    } else {
+        int64_t e = wt->fmt == FMT_F32 ? 4 : 2;
+        s0 = c0 * e;
+        s1 = c1 * e;
+    }
+    for (int r = 0; r < R && j + r < n; r++) {
+        const int64_t row = rows[j + r];
+        const char *p = (const char *)(wt->qs + row * wt->row_bytes);
+        for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        if (wt->d) {
+            const char *d = (const char *)(wt->d + row * wt->nb);
+            for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(d + o, _MM_HINT_T1);
+            if (wt->m) {
+                const char *m = (const char *)(wt->m + row * wt->nb);
+                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(m + o, _MM_HINT_T1);
+            }
+        }
+    }
+}
 
 AI __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 /* y[c] accumulates h_j * w_j[c] strictly in the order j = 0..n-1 (rows grouped by R only
  * to load y once per R rows), so the result is independent of the column split. */
 AI void axpy_f_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, const int R,
-                    const int fmt, int64_t c0, int64_t c1, float *y) {
+                    const int fmt, int64_t c0, int64_t c1, float *y, const uint8_t *const *pf) {
     const uint8_t *wp[4];
     __m512 hv[4];
+    const int esz = fmt == FMT_F32 ? 4 : 2;
     for (int r = 0; r < R; r++) {
         wp[r] = wt->qs + (int64_t)rows[j + r] * wt->row_bytes;
         hv[r] = _mm512_set1_ps(h[j + r]);
     }
     int64_t c = c0;
     for (; c + 16 <= c1; c += 16) {
+        if (esz == 4 || !(c & 16))
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(pf[r] + c * esz), _MM_HINT_T1);
         __m512 yv = _mm512_loadu_ps(y + c);
         for (int r = 0; r < R; r++) yv = _mm512_fmadd_ps(hv[r], loadw(fmt, wp[r], c), yv);
         _mm512_storeu_ps(y + c, yv);
@@ -504,7 +538,7 @@ AI void axpy_f_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64
 }
 
 AI void axpy_q_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, const int R,
-                    const int fmt, int64_t c0, int64_t c1, float *y, float *ym) {
+                    const int fmt, int64_t c0, int64_t c1, float *y, float *ym, const uint8_t *const *pf) {
     const int64_t b0 = c0 / 32, nbc = (c1 - c0 + 31) / 32;
     const uint8_t *qp[4];
     float sc[4][AXPY_MAXB];
@@ -523,26 +557,31 @@ AI void axpy_q_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64
             }
         }
     }
-    const __m512i m4 = _mm512_set1_epi32(0x0F);
+    /* vpermps reads only the low 4 bits of each index: float(low nibble) without a mask */
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int bpl = fmt == FMT_Q4 ? 4 : 2; /* blocks per cache line */
     for (int64_t b = 0; b < nbc; b++) {
         const int64_t c = (b0 + b) * 32;
+        if (((b0 + b) % bpl) == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(pf[r] + (fmt == FMT_Q4 ? 16 : 32) * (b0 + b)), _MM_HINT_T1);
         const int full = c + 32 <= c1;
         const __mmask16 k0 = lanes(c1 - c), k1 = lanes(c1 - c - 16);
         __m512 y0 = full ? _mm512_loadu_ps(y + c) : _mm512_maskz_loadu_ps(k0, y + c);
         __m512 y1 = full ? _mm512_loadu_ps(y + c + 16) : _mm512_maskz_loadu_ps(k1, y + c + 16);
         for (int r = 0; r < R; r++) {
             __m512 s = _mm512_set1_ps(sc[r][b]);
-            __m512i a, bb;
+            __m512 a, bb;
             if (fmt == FMT_Q4) {
                 __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 16 * (b0 + b))));
-                a = _mm512_and_si512(v, m4);
-                bb = _mm512_srli_epi32(v, 4);
+                a = _mm512_permutexvar_ps(v, iota);
+                bb = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), iota);
             } else {
-                a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 32 * (b0 + b))));
-                bb = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 32 * (b0 + b) + 16)));
+                a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 32 * (b0 + b)))));
+                bb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp[r] + 32 * (b0 + b) + 16))));
             }
-            y0 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(a), y0);
-            y1 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(bb), y1);
+            y0 = _mm512_fmadd_ps(s, a, y0);
+            y1 = _mm512_fmadd_ps(s, bb, y1);
         }
         if (full) {
             _mm512_storeu_ps(y + c, y0);
@@ -554,10 +593,30 @@ AI void axpy_q_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64
     }
 }
 
+/* pf: rows AXPY_PF positions ahead (or the current ones near the end); their block scales
+ * for this column chunk are prefetched here, their data by the kernels line by line. */
+AI void axpy_pf_rows(const qmat_t *wt, const int32_t *rows, int64_t j, int64_t n, int64_t c0, int64_t c1,
+                     const uint8_t **pf) {
+    for (int r = 0; r < 4; r++) {
+        int64_t k = j + AXPY_PF + r < n ? j + AXPY_PF + r : (j + r < n ? j + r : j);
+        pf[r] = wt->qs + (int64_t)rows[k] * wt->row_bytes;
+        if (wt->d && j + AXPY_PF + r < n) {
+            const int64_t b0 = c0 / 32, b1 = (c1 + 31) / 32;
+            const char *d = (const char *)(wt->d + (int64_t)rows[k] * wt->nb);
+            for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(d + o, _MM_HINT_T0);
+            if (wt->m) {
+                const char *m = (const char *)(wt->m + (int64_t)rows[k] * wt->nb);
+                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(m + o, _MM_HINT_T0);
+            }
+        }
+    }
+}
 #define AXPY_FN(name, body, R, FMT, ...) \
-    static __attribute__((noinline)) void name(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, \
+    static __attribute__((noinline)) void name(const qmat_t *wt, const float *h, const int32_t *rows, int64_t j, int64_t n, \
                                                 int64_t c0, int64_t c1, float *y, float *ym) { \
-        (void)ym; body(wt, h, rows, j, R, FMT, c0, c1, y __VA_ARGS__); }
+        const uint8_t *pf[4]; \
+        axpy_pf_rows(wt, rows, j, n, c0, c1, pf); \
+        (void)ym; body(wt, h, rows, j, R, FMT, c0, c1, y __VA_ARGS__, pf); }
 AXPY_FN(ax_f32_4, axpy_f_rows, 4, FMT_F32)
 AXPY_FN(ax_f32_1, axpy_f_rows, 1, FMT_F32)
 AXPY_FN(ax_f16_4, axpy_f_rows, 4, FMT_F16)
@@ -569,7 +628,7 @@ AXPY_FN(ax_q8_1, axpy_q_rows, 1, FMT_Q8, , ym)
 AXPY_FN(ax_q4_4, axpy_q_rows, 4, FMT_Q4, , ym)
 AXPY_FN(ax_q4_1, axpy_q_rows, 1, FMT_Q4, , ym)
 
-typedef void (*axpy_fn)(const qmat_t *, const float *, const int32_t *, int64_t, int64_t, int64_t, float *, float *);
+typedef void (*axpy_fn)(const qmat_t *, const float *, const int32_t *, int64_t, int64_t, int64_t, int64_t, float *, float *);
 static const axpy_fn AXPY[FMT_COUNT][2] = {
     {ax_f32_4, ax_f32_1}, {ax_f16_4, ax_f16_1}, {ax_bf16_4, ax_bf16_1}, {ax_q8_4, ax_q8_1}, {ax_q4_4, ax_q4_1},
 };
@@ -581,8 +640,9 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
     memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));
     memset(ym, 0, sizeof ym);
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) AXPY[wt->fmt][0](wt, h, rows, j, c0, c1, y, ym);
-    for (; j < n; j++) AXPY[wt->fmt][1](wt, h, rows, j, c0, c1, y, ym);
+    axpy_prefetch(wt, rows, 0, n, AXPY_PF, c0, c1);
+    for (; j + 4 <= n; j += 4) AXPY[wt->fmt][0](wt, h, rows, j, n, c0, c1, y, ym);
+    for (; j < n; j++) AXPY[wt->fmt][1](wt, h, rows, j, n, c0, c1, y, ym);
     if (wt->fmt >= FMT_Q8 && wt->m) {
         for (int64_t b = 0; b < nbc; b++) {
             const int64_t c = c0 + 32 * b, e = c + 32 <= c1 ? c + 32 : c1;

@@ -7,6 +7,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "ops.h"
 #include "pool.h"
 
@@ -229,6 +233,21 @@ static PyObject *py_supported_levels(PyObject *self, PyObject *unused) {
     return l;
 }
 
+/* advise_hugepages(ptr, nbytes) -> bytes advised: ask for transparent huge pages on the
+ * 2 MB-aligned interior of a buffer (before it is first written, so faults map 2 MB pages).
+ * Random-row sparse reads otherwise pay a TLB miss per row and scale array. */
+static PyObject *py_advise_hugepages(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p;
+    int64_t nbytes;
+    if (!nargs_ok(na, 2, "advise_hugepages") || get_ptr(a[0], &p) || get_i64(a[1], &nbytes)) return NULL;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = 2u << 20;
+    uintptr_t b = ((uintptr_t)p + huge - 1) & ~(huge - 1), e = ((uintptr_t)p + (uintptr_t)nbytes) & ~(huge - 1);
+    if (p && nbytes > 0 && e > b && madvise((void *)b, e - b, MADV_HUGEPAGE) == 0) return PyLong_FromLongLong((long long)(e - b));
+#endif
+    return PyLong_FromLong(0);
+}
+
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
@@ -239,6 +258,7 @@ static PyMethodDef methods[] = {
     {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*6, up*6, down_t*6, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
+    {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

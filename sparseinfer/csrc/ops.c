@@ -296,9 +296,10 @@ void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t
     const float *hc;
     const int32_t *rc;
     n = compact(h, rows, n, &hc, &rc);
-    /* column chunks: multiples of 128 columns, <= 2048 (kernel limit), ~2 per thread */
+    /* column chunks: multiples of 128 columns, <= 4096 (kernel limit), ~2 per thread; longer
+     * row segments stream better */
     int64_t width = up((wt->cols + 2 * nthreads() - 1) / (2 * nthreads()), 128);
-    if (width > 2048) width = 2048;
+    if (width > 4096) width = 4096;
     axpy_ctx a = {kern(), wt, hc, rc, n, width, y};
     int64_t nchunks = (wt->cols + width - 1) / width;
     run(axpy_task, &a, nchunks, n * wt->row_bytes);

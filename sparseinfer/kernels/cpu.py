@@ -34,6 +34,7 @@ _QS_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
              "q8": torch.int8, "q4": torch.uint8}
 _F32 = torch.float32
 _I32 = torch.int32
+_Tensor = torch.Tensor
 _warned = False
 
 
@@ -96,73 +97,92 @@ def _check_tensor(t, what, dtype, shape):
 
 
 def _vec(x, n, what="x"):
-    """x as a contiguous float32 CPU vector of length n."""
-    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or x.device.type != "cpu":
+    """x as a contiguous float32 CPU vector of length n (fast path: ~0.5 us of checks)."""
+    if type(x) is _Tensor and x.dtype is _F32 and x.is_cpu and x.ndim == 1 and x.numel() == n:
+        return x if x.is_contiguous() else x.contiguous()
+    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu:
         raise ValueError(f"{what} must be a float32 CPU tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', '?')}")
     if x.dim() != 1 or x.shape[0] != n:
         raise ValueError(f"{what} must have shape ({n},), has {tuple(x.shape)}")
-    return x if x.is_contiguous() else x.contiguous()
+    return x.contiguous()
+
+
+def _out(out, n, what="out"):
+    if out is None:
+        return torch.empty(n, dtype=_F32)
+    return _vec(out, n, what)
 
 
 def _rows(rows):
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.device.type != "cpu":
+    if type(rows) is _Tensor and rows.dtype is _I32 and rows.is_cpu and rows.ndim == 1:
+        return rows if rows.is_contiguous() else rows.contiguous()
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or not rows.is_cpu:
         raise ValueError("rows must be a 1-D CPU tensor of row ids")
-    if rows.dtype != _I32:
-        if rows.dtype not in (torch.int64, torch.int16, torch.int8, torch.uint8):
-            raise ValueError(f"rows must be int32 (or another integer type), is {rows.dtype}")
-        rows = rows.to(_I32)
-    return rows if rows.is_contiguous() else rows.contiguous()
+    if rows.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+        raise ValueError(f"rows must be int32 (or another integer type), is {rows.dtype}")
+    return rows.to(_I32).contiguous()
 
 
 def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y[N] = W x."""
-    if _fallback():
-        return reference.gemv(w, x)
+    if _cpu is None:
+        _fallback()
+        return _store(reference.gemv(w, x), out)
     desc = _desc(w)
     x = _vec(x, w.cols)
-    y = torch.empty(w.rows, dtype=_F32) if out is None else _vec(out, w.rows, "out")
+    y = _out(out, w.rows)
     _cpu.gemv(*desc, x.data_ptr(), y.data_ptr())
     return y
 
 
-def matmul(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    """Y[M, N] = X W^T for X (M, K); M == 1 runs the gemv path."""
-    if _fallback():
-        return reference.matmul(w, x)
+def matmul(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Y[M, N] = X W^T for X (M, K); M == 1 runs the gemv path (bit-identical rows)."""
+    if _cpu is None:
+        _fallback()
+        return _store(reference.matmul(w, x), out)
     desc = _desc(w)
-    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or x.device.type != "cpu":
+    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu:
         raise ValueError("X must be a float32 CPU tensor")
     if x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"X must have shape (M, {w.cols}), has {tuple(x.shape)}")
     x = x.contiguous()
-    y = torch.empty(x.shape[0], w.rows, dtype=_F32)
-    _cpu.matmul(*desc, x.data_ptr(), x.shape[0], y.data_ptr())
+    m = x.shape[0]
+    if out is None:
+        y = torch.empty(m, w.rows, dtype=_F32)
+    else:
+        if not isinstance(out, torch.Tensor) or out.dtype != _F32 or tuple(out.shape) != (m, w.rows) \
+                or not out.is_contiguous() or not out.is_cpu:
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape ({m}, {w.rows})")
+        y = out
+    _cpu.matmul(*desc, x.data_ptr(), m, y.data_ptr())
     return y
 
 
-def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y[j] = W[rows[j]] . x (row ids may repeat and come in any order)."""
-    if _fallback():
-        return reference.gemv_rows(w, x, rows)
+    if _cpu is None:
+        _fallback()
+        return _store(reference.gemv_rows(w, x, rows), out)
     desc = _desc(w)
     x = _vec(x, w.cols)
     rows = _rows(rows)
-    n = rows.shape[0]
-    y = torch.empty(n, dtype=_F32)
+    n = rows.numel()
+    y = _out(out, n)
     _cpu.gemv_rows(*desc, x.data_ptr(), rows.data_ptr(), n, y.data_ptr())
     return y
 
 
-def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y[wt.cols] = sum_j h[j] * Wt[rows[j]] (Wt: neuron-major transposed down projection)."""
-    if _fallback():
-        return reference.axpy_rows(wt, h, rows)
+    if _cpu is None:
+        _fallback()
+        return _store(reference.axpy_rows(wt, h, rows), out)
     desc = _desc(wt)
     rows = _rows(rows)
-    n = rows.shape[0]
+    n = rows.numel()
     h = _vec(h, n, "h")
-    y = torch.empty(wt.cols, dtype=_F32)
+    y = _out(out, wt.cols)
     _cpu.axpy_rows(*desc, h.data_ptr(), rows.data_ptr(), n, y.data_ptr())
     return y
 
@@ -171,26 +191,38 @@ _NO_GATE = (-1, 0, 0, 0, 0, 0)
 
 
 def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeight,
-               rows: torch.Tensor, act: str) -> torch.Tensor:
+               rows: torch.Tensor, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """FFN of one token over the active neurons `rows`.
 
     h_i = act(gate_i . x) * (up_i . x)  (or act(up_i . x) when gate is None), then
     y[d_model] = sum_i h_i * down_t[i].  act: silu, relu, gelu (erf), gelu_tanh."""
-    if act not in _ACT:
+    code = _ACT.get(act)
+    if code is None:
         raise ValueError(f"unknown activation {act!r}; expected one of {tuple(_ACT)}")
-    if _fallback():
-        return reference.sparse_ffn(x, gate, up, down_t, rows, act)
+    if _cpu is None:
+        _fallback()
+        return _store(reference.sparse_ffn(x, gate, up, down_t, rows, act), out)
     du, dd = _desc(up), _desc(down_t)
-    dg = _NO_GATE if gate is None else _desc(gate)
-    if gate is not None and gate.shape != up.shape:
-        raise ValueError(f"gate {gate.shape} and up {up.shape} shapes differ")
+    if gate is None:
+        dg = _NO_GATE
+    else:
+        dg = _desc(gate)
+        if gate.rows != up.rows or gate.cols != up.cols:
+            raise ValueError(f"gate {gate.shape} and up {up.shape} shapes differ")
     if down_t.rows != up.rows:
         raise ValueError(f"down_t must be neuron-major ({up.rows}, d_model), has shape {down_t.shape}")
     x = _vec(x, up.cols)
     rows = _rows(rows)
-    y = torch.empty(down_t.cols, dtype=_F32)
-    _cpu.sparse_ffn(_ACT[act], *dg, *du, *dd, x.data_ptr(), rows.data_ptr(), rows.shape[0], y.data_ptr())
+    y = _out(out, down_t.cols)
+    _cpu.sparse_ffn(code, *dg, *du, *dd, x.data_ptr(), rows.data_ptr(), rows.numel(), y.data_ptr())
     return y
+
+
+def _store(y, out):
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
 
 
 def set_num_threads(n: int) -> None:
