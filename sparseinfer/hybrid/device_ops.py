@@ -65,7 +65,7 @@ def dequant(w: QWeight, with_mins: bool = True) -> torch.Tensor:
     if w.m is not None and with_mins:
         q.add_(w.m.float()[..., None])
     q = q.view(rows, -1)
-    return q if q.shape[1] == w.cols or not with_mins else q
+    return q if q.shape[1] == w.cols or not with_mins else q[:, : w.cols]
 
 
 def chunk_rows(w: QWeight) -> int:
