@@ -93,12 +93,15 @@ class LLM:
 
 
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
-         sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None) -> LLM:
+         sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
+         device: str | None = "auto", vram_budget: str | float | None = None) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
     prepare`), a path names a pack, None/`dense=True` keeps the dense model.  density: force the
-    FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`)."""
+    FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`).  device: "auto" (CUDA
+    when torch sees a GPU), "cpu" or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB",
+    a number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`."""
     from .io.tokenizer import Tokenizer
 
     if threads:
@@ -121,6 +124,10 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
     llm = LLM(model, tok, src, ctx_size, info)
     llm.sparsity = pack  # the SparsityPack in use, or None
+    from .hybrid import prepare as place_on_device
+
+    with torch.inference_mode():
+        llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint)
     return llm
 
 

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from ..errors import SparseInferError
 from .budget import BudgetError, budget_bytes, format_bytes, parse_vram_budget, resolve_device
 from .costs import cost_model
 from .model import HybridCausalLM, NeuronStats, apply_placement, sparsify_dense
@@ -56,14 +57,23 @@ def place_model(model, accel: torch.device | str, budget: int, ctx_size: int, st
 
 
 def prepare(model, device: str | torch.device | None = "auto", vram_budget: str | float | None = None,
-            ctx_size: int = 4096, stats: NeuronStats | None = None, mode: str = "auto", fingerprint: str = "",
-            **params):
-    """The engine's hook: resolve `device`/`vram_budget` ('auto', '4GiB', ...) and place the model.
-    Returns (model, placement or None when everything runs on the CPU)."""
+            ctx_size: int = 4096, pack=None, fingerprint: str = "", mode: str = "auto", **params):
+    """The engine's hook: resolve `device` ('auto', 'cpu', 'cuda[:N]') and `vram_budget` ('4GiB',
+    '512MiB', 1.5 = GiB; None = free memory minus a margin), then place the model: hot neurons
+    with a sparsity `pack`, whole layers without.  Returns (model, placement or None on the CPU)."""
     dev = resolve_device(device)
     if dev.type == "cpu":
         return model, None
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    from ..sparse.apply import sparse_ffns
+
+    if any(f.density is not None for f in sparse_ffns(model)):
+        raise SparseInferError("--density is a CPU speed measurement; run it with --device cpu")
     budget = budget_bytes(vram_budget, dev)
-    return place_model(model, dev, budget, ctx_size, stats, mode, fingerprint, **params)
+    stats = NeuronStats.from_pack(pack) if pack is not None else None
+    if stats is None and sparse_ffns(model):
+        raise SparseInferError("the model is sparsified without a pack; hybrid placement needs the pack's statistics")
+    model, p = place_model(model, dev, budget, ctx_size, stats, mode, fingerprint, **params)
+    log.info("placement: %s", p.describe())
+    return model, (p if p.on_device else None)

@@ -1,0 +1,136 @@
+"""`sparseinfer plan MODEL --vram-budget X`: print (and plot) where each part would live.
+
+Planning needs no GPU: it costs the parts as a CUDA device would hold them, so a placement can
+be inspected on the laptop that will never run it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .budget import format_bytes, parse_vram_budget
+from .placement import DEFAULT_GROUP, Placement
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """`plan` subcommand (the CLI calls this with its subparsers)."""
+    p = subparsers.add_parser("plan", help="show the GPU/CPU placement for a VRAM budget (no GPU needed)")
+    p.add_argument("model", nargs="?", default=None, help="a .gguf file, a Hugging Face folder or a catalog name")
+    p.add_argument("--vram-budget", required=True, help="GPU memory to use: 4GiB, 512MiB, or a number of GiB")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size the KV cache is sized for")
+    p.add_argument("--offload", choices=("auto", "neurons", "layers"), default="auto",
+                   help="neurons: hot FFN neurons (needs a sparsity pack); layers: whole layers (-ngl); "
+                        "auto: neurons when there is a pack")
+    p.add_argument("--sparse", default="auto", metavar="PACK", help="sparsity pack (default: MODEL.sparse if present)")
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP, help="neurons per ILP unit")
+    p.add_argument("--solver", choices=("ilp", "greedy"), default="ilp")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of the placement here")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the placement as JSON here")
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def cmd_plan(a) -> int:
+    from ..engine import load
+    from . import NeuronStats, plan_for_model
+
+    budget = parse_vram_budget(a.vram_budget)
+    llm = load(a.model, ctx_size=a.ctx_size, sparse=a.sparse, device="cpu")
+    pack = getattr(llm, "sparsity", None)
+    stats = NeuronStats.from_pack(pack) if pack is not None else None
+    mode = a.offload
+    if mode == "neurons" and stats is None:
+        print("no sparsity pack for this model (make one with `sparseinfer prepare`); showing layer offload",
+              file=sys.stderr)
+        mode = "layers"
+    p = plan_for_model(llm.model, budget, llm.ctx_size, "cuda", stats, mode, llm.info.fingerprint,
+                       group_size=a.group_size, solver=a.solver)
+    print(f"model: {llm.info.path} ({format_bytes(model_bytes(llm.model))} of weights), context {llm.ctx_size}")
+    print(p.describe())
+    if a.json:
+        Path(a.json).write_text(p.to_json())
+    if a.plot:
+        plot_placement(p, a.plot, title=f"{Path(str(llm.info.path)).name}, VRAM budget {format_bytes(budget)}")
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def model_bytes(model) -> int:
+    """Weight bytes of a model as loaded (each tensor once)."""
+    from .costs import module_tensors
+
+    return sum(t.numel() * t.element_size() for t in module_tensors(model))
+
+
+def plot_placement(p: Placement, path: str | Path, title: str = "") -> Path:
+    """Per layer: share of FFN neurons and of expected activations on the GPU, where attention
+    runs; below, the budget split by kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    n = p.n_layers
+    x = np.arange(n)
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(max(6.0, 0.28 * n + 3), 5.5), height_ratios=[3, 1],
+                                 constrained_layout=True)
+    share = [k / max(m, 1) for k, m in zip(p.n_hot, p.n_neurons)]
+    ax.bar(x - 0.2, share, 0.4, label="FFN neurons on GPU", color="#4c72b0")
+    ax.bar(x + 0.2, p.layer_fraction, 0.4, label="expected activations served by GPU", color="#dd8452")
+    on = [i for i in range(n) if p.attn_on_device[i]]
+    ax.scatter(on, [1.04] * len(on), marker="s", s=12, color="#55a868", label="attention + KV on GPU")
+    ax.set_xlim(-0.7, n - 0.3)
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("fraction")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{title}\n{p.mode} placement ({p.solver}): {p.expected_fraction:.1%} of FFN activations "
+                 f"on the GPU, head on {'GPU' if p.head_on_device else 'CPU'}", fontsize=10)
+    left = 0
+    colors = {"scratch": "#bbbbbb", "attention": "#55a868", "kv": "#8fd19e", "norms": "#c44e52", "predictors": "#8172b2",
+              "head": "#937860", "ffn": "#4c72b0"}
+    gib = 1 << 30
+    for kind, b in p.bytes.items():
+        if b:
+            bx.barh(0, b / gib, left=left / gib, color=colors.get(kind, "#999999"), label=kind)
+            left += b
+    bx.axvline(p.budget / gib, color="black", linestyle="--", label="budget")
+    bx.set_yticks([])
+    bx.set_xlabel("GiB")
+    bx.set_xlim(0, max(p.budget, p.bytes_used, 1) / gib * 1.05)
+    bx.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def placement_table(rows: list[dict]) -> str:
+    """A fixed-width table of dicts (same keys), for benchmark output."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    width = {k: max(len(k), *(len(_fmt(r[k])) for r in rows)) for k in keys}
+    lines = ["  ".join(k.rjust(width[k]) for k in keys)]
+    lines += ["  ".join(_fmt(r[k]).rjust(width[k]) for k in keys) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sparseinfer.hybrid.plan MODEL --vram-budget X` (before the CLI hook is in)."""
+    ap = argparse.ArgumentParser(prog="sparseinfer")
+    add_plan_parser(ap.add_subparsers(dest="command", required=True))
+    a = ap.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
