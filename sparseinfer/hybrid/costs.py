@@ -14,7 +14,8 @@ from .ffn import DevicePredictor, FFNPart
 from .placement import CostModel, LayerCosts
 
 MiB = 1 << 20
-DEVICE_CHUNK = 128           # tokens per forward pass while any part is on the device (bounds activations)
+DEVICE_CHUNK = 64            # tokens per forward pass while any part is on the device (bounds activations)
+HEAD_PIECE = 4               # tokens per head matmul on the device (full logits are vocab-wide)
 CUDA_WORKSPACE = 64 * MiB    # cuBLAS/cuBLASLt workspaces and SDPA kernels' own buffers
 FFN_TENSORS = 11             # gate/up/down_t (qs, d, m) + 2 biases: allocator rounding per layer
 
@@ -100,7 +101,7 @@ def scratch_bytes(config, ctx_size: int, n_ffn: int, device_type: str = "cuda",
               + 3 * t * h * L + 2 * h * L * dh  # scores/softmax, expanded K/V
               + 2 * t * h * dh                 # attention output
               + 4 * t * n_ffn                  # gate, up, h (+ one temporary)
-              + 2 * t * v                      # logits (+ the final chunk copy)
+              + 2 * HEAD_PIECE * v             # logits of one piece (+ a copy)
               + 2 * t * max(predictor_hidden, 0))
     b = 4 * floats + DEQUANT_BYTES_PER_ELEM * CHUNK_ELEMS
     b = int(b * 1.25) + 16 * MiB

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..quant import BLOCK, QWeight
 
-CHUNK_ELEMS = 1 << 21          # weights dequantized at a time (8 MiB of float32)
+CHUNK_ELEMS = 1 << 20          # weights dequantized at a time (4 MiB of float32)
 DEQUANT_BYTES_PER_ELEM = 12    # float32 result + unpacked bytes + float temporaries, rounded up
 ALLOC_ROUND = 512              # the CUDA caching allocator's block granularity
 

@@ -14,6 +14,7 @@ and the two partial sums are added on the accelerator.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class DevicePredictor:
 
     @staticmethod
     def device_bytes(qp) -> int:
+        """Device bytes of a `QPredictor` (or of this) once moved."""
         return (dev.qweight_device_nbytes(qp.w1) + dev.qweight_device_nbytes(qp.w2) + dev.device_nbytes(qp.b1)
                 + dev.device_nbytes(qp.cut))
 
@@ -144,6 +146,11 @@ class HybridFFN(nn.Module):
                                                                                    and cold.up_bias is None)))
         self._all_cold = None if cold is None else torch.arange(cold.n, dtype=torch.int32)
         self.stats = DecodeStats()
+        some = hot if hot is not None else cold
+        self._n_mats = 2 if some.gate is None else 3
+        self._row_bytes = some.neuron_bytes()
+        self._predictor_bytes = 0 if predictor is None else (
+            DevicePredictor.device_bytes(predictor) if self.on_device_predictor else predictor.nbytes)
         self.split = {"hot_rows": 0, "cold_rows": 0}  # predicted rows served by each side (decode)
 
     @classmethod
@@ -183,7 +190,9 @@ class HybridFFN(nn.Module):
 
     # ------------------------------------------------------------------ one token: predicted rows
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         hot_ids, cold_ids = self._predict(x)
+        self._count(hot_ids.numel() + cold_ids.numel(), time.perf_counter() - t0)
         cold = None
         if self.cold is not None:
             self.split["cold_rows"] += int(cold_ids.numel())
@@ -192,8 +201,16 @@ class HybridFFN(nn.Module):
         if self.hot is not None:
             self.split["hot_rows"] += int(hot_ids.numel())
             hot = self._hot_rows(x.to(self.accel), hot_ids)
-        self.stats.tokens += 1
         return self._sum(hot, cold)
+
+    def _count(self, n_rows: int, predictor_seconds: float) -> None:
+        """`SparseFFN`-compatible counters (rows of gate/up/down_t read; bytes incl. predictor)."""
+        st = self.stats
+        st.tokens += 1
+        st.rows += self._n_mats * n_rows
+        st.kept += n_rows
+        st.bytes += n_rows * self._row_bytes + self._predictor_bytes
+        st.predictor_seconds += predictor_seconds
 
     def _predict(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(hot row ids on the accelerator, cold row ids int32 on the CPU, relative to the cold part)."""

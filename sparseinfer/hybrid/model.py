@@ -21,7 +21,7 @@ from ..models.layers import MLP, Linear, Rotary
 from ..quant import QWeight
 from ..sparse.apply import ffn_slots
 from ..sparse.ffn import SparseFFN
-from .costs import DEVICE_CHUNK
+from .costs import DEVICE_CHUNK, HEAD_PIECE
 from .device_ops import DeviceLinear
 from .ffn import CpuWorker, HybridFFN
 from .placement import Placement
@@ -112,7 +112,12 @@ class HybridCausalLM(CausalLM):
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x.to(self.head_device))).to(CPU)
+        """Logits on the CPU; on the device `HEAD_PIECE` tokens at a time (vocab-wide rows)."""
+        if self.head_device.type == "cpu" and x.device.type == "cpu":
+            return self.head(self.norm(x))
+        pieces = [self.head(self.norm(x[:, s: s + HEAD_PIECE].to(self.head_device))).to(CPU)
+                  for s in range(0, x.shape[1], HEAD_PIECE)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def close(self) -> None:
         """Stop the CPU worker thread (it is also stopped when the model is collected)."""
