@@ -94,14 +94,15 @@ class LLM:
 
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
          sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
-         device: str | None = "auto", vram_budget: str | float | None = None) -> LLM:
+         device: str | None = "cpu", vram_budget: str | float | None = None) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
     prepare`), a path names a pack, None/`dense=True` keeps the dense model.  density: force the
-    FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`).  device: "auto" (CUDA
-    when torch sees a GPU), "cpu" or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB",
-    a number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`."""
+    FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`).  device: "cpu"
+    (default: the library never takes a GPU unasked; the CLI's default is "auto"), "auto" (CUDA
+    when torch sees a GPU) or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB", a
+    number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`."""
     from .io.tokenizer import Tokenizer
 
     if threads:
