@@ -182,6 +182,17 @@ def test_axpy_rows(level, fmt):
             assert_axpy_close(wt, h, rows, y)
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q8m", "bf16"])
+def test_axpy_rows_many_rows_wide(level, fmt):
+    """Many active rows take the row-partitioned path; > 4096 columns are cut per kernel call."""
+    wt = make_weight(fmt, 900, 4200, seed=9)
+    g = torch.Generator().manual_seed(9)
+    for n in (150, 400, 900):
+        rows = torch.sort(torch.randperm(900, generator=g)[:n])[0].int()
+        h = rand(n, seed=n)
+        assert_axpy_close(wt, h, rows, cpu.axpy_rows(wt, h, rows))
+
+
 # ------------------------------------------------------------------------- sparse_ffn
 
 def ffn_expected(x, gate, up, down_t, rows, act):
@@ -258,7 +269,7 @@ def all_results(seed=0):
         x = rand(1000, seed=3)
         rows = torch.sort(torch.randperm(512, generator=g)[:300])[0].int()
         out += [cpu.gemv(w, x), cpu.matmul(w, rand(9, 1000, seed=4)), cpu.gemv_rows(w, x, rows),
-                cpu.axpy_rows(wt, rand(300, seed=5), rows),
+                cpu.axpy_rows(wt, rand(300, seed=5), rows), cpu.axpy_rows(wt, rand(30, seed=5), rows[:30]),
                 cpu.sparse_ffn(x, w, make_weight(fmt, 512, 1000, seed=6), wt, rows, "silu")]
     return out
 

@@ -98,8 +98,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
 /* -------------------------------------------------------------------- scratch memory */
 
 /* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
- * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction. */
-static _Thread_local struct { void *p; size_t n; } TLS[4];
+ * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
+ * 4 = axpy partial sums. */
+static _Thread_local struct { void *p; size_t n; } TLS[5];
 
 static void *scratch(int slot, size_t n) {
     if (TLS[slot].n < n) {
@@ -255,19 +256,52 @@ void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t 
 
 /* ----------------------------------------------------------------------------- axpy */
 
+/* Two splits, both independent of the thread count:
+ *  - few rows: by output columns (each column sums all rows in order);
+ *  - many rows: the row list is cut into P partitions, P a function of n only; each
+ *    partition streams whole rows into its own partial vector, and the partials are added
+ *    in partition order.  Whole-row reads matter: column chunks read every row in pieces of a
+ *    few hundred bytes, which random DRAM access serves at a fraction of the bandwidth. */
+#define AXPY_MAX_COLS 4096 /* kernel limit per call (AXPY_MAXB * 32) */
+#define AXPY_ROWS_PER_PART 96
+#define AXPY_MAX_PARTS 8
+
 typedef struct {
     const kernels_t *k;
     const qmat_t *wt;
     const float *h;
     const int32_t *rows;
-    int64_t n, width;
-    float *y;
+    int64_t n, width, nparts;
+    float *y, *part;
 } axpy_ctx;
 
-static void axpy_task(void *p, int64_t c) {
+static void axpy_cols_task(void *p, int64_t c) {
     const axpy_ctx *a = p;
     int64_t c0 = c * a->width, c1 = c0 + a->width < a->wt->cols ? c0 + a->width : a->wt->cols;
     a->k->axpy(a->wt, a->h, a->rows, a->n, c0, c1, a->y);
+}
+
+static int64_t part_start(int64_t n, int64_t nparts, int64_t p) { return n * p / nparts; }
+
+static void axpy_part_task(void *p, int64_t c) {
+    const axpy_ctx *a = p;
+    const int64_t j0 = part_start(a->n, a->nparts, c), j1 = part_start(a->n, a->nparts, c + 1);
+    float *y = a->part + c * a->wt->cols;
+    for (int64_t c0 = 0; c0 < a->wt->cols; c0 += AXPY_MAX_COLS) {
+        int64_t c1 = c0 + AXPY_MAX_COLS < a->wt->cols ? c0 + AXPY_MAX_COLS : a->wt->cols;
+        a->k->axpy(a->wt, a->h + j0, a->rows + j0, j1 - j0, c0, c1, y);
+    }
+}
+
+static void axpy_reduce_task(void *p, int64_t c) {
+    const axpy_ctx *a = p;
+    const int64_t cols = a->wt->cols, c0 = c * a->width, c1 = c0 + a->width < cols ? c0 + a->width : cols;
+    float *y = a->y;
+    memcpy(y + c0, a->part + c0, (size_t)(c1 - c0) * sizeof(float));
+    for (int64_t q = 1; q < a->nparts; q++) {
+        const float *src = a->part + q * cols;
+        for (int64_t i = c0; i < c1; i++) y[i] += src[i];
+    }
 }
 
 /* Drop rows whose coefficient is exactly 0 (ReLU models: many predicted-active neurons). */
@@ -296,13 +330,22 @@ void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t
     const float *hc;
     const int32_t *rc;
     n = compact(h, rows, n, &hc, &rc);
-    /* column chunks: multiples of 128 columns, <= 4096 (kernel limit), ~2 per thread; longer
-     * row segments stream better */
-    int64_t width = up((wt->cols + 2 * nthreads() - 1) / (2 * nthreads()), 128);
-    if (width > 4096) width = 4096;
-    axpy_ctx a = {kern(), wt, hc, rc, n, width, y};
-    int64_t nchunks = (wt->cols + width - 1) / width;
-    run(axpy_task, &a, nchunks, n * wt->row_bytes);
+    axpy_ctx a = {kern(), wt, hc, rc, n, 0, 1, y, NULL};
+    int64_t nparts = n / AXPY_ROWS_PER_PART;
+    if (nparts > AXPY_MAX_PARTS) nparts = AXPY_MAX_PARTS;
+    if (nparts <= 1 || n * wt->row_bytes < SERIAL_BYTES) {
+        /* column chunks: multiples of 128 columns, <= 4096, ~2 per thread */
+        a.width = up((wt->cols + 2 * nthreads() - 1) / (2 * nthreads()), 128);
+        if (a.width > AXPY_MAX_COLS) a.width = AXPY_MAX_COLS;
+        run(axpy_cols_task, &a, (wt->cols + a.width - 1) / a.width, n * wt->row_bytes);
+        return;
+    }
+    a.nparts = nparts;
+    a.part = scratch(4, (size_t)(nparts * wt->cols) * sizeof(float) + 64);
+    if (!a.part) abort();
+    run(axpy_part_task, &a, nparts, n * wt->row_bytes);
+    a.width = up((wt->cols + nthreads() - 1) / nthreads(), 64);
+    run(axpy_reduce_task, &a, (wt->cols + a.width - 1) / a.width, nparts * wt->cols * 4);
 }
 
 /* ------------------------------------------------------------------------ sparse FFN */

@@ -1,0 +1,371 @@
+"""Benchmark of the CPU kernel core (sparseinfer.kernels.cpu); not a test.
+
+    python benchmarks/kernels.py [--threads 2] [--json FILE] [--md docs/kernels-benchmarks.md]
+                                 [--plot docs/img/kernels_sparse.png] [--formats q4,q8,...] [--quick]
+
+1. A streaming-read bandwidth probe (C, same thread count) over a >= 2 GB array.
+2. Dense gemv per format on FFN shapes (Qwen2.5-1.5B 8960x1536 / 1536x8960, Llama-7B
+   11008x4096 / 4096x11008): GB/s and % of the probe.  Several copies of each matrix are
+   rotated so the working set (>= 1.5 GB) far exceeds the last-level cache.
+3. Sparse kernels on the neuron-major shapes (d_ff x d_model): gemv_rows (gate/up), axpy_rows
+   (down_t) and the fused sparse_ffn at active fractions 1, 0.5, 0.25, 0.1, 0.05 (random
+   sorted row ids), timed against the dense kernel reading the same bytes.
+4. For the record: torch index_select + linear, torch linear, numba Q4 gemv.
+
+Every timing is the best of several passes (the machine may be shared).  --json writes a
+list of records {kernel, format, rows, cols, active_fraction, threads, seconds, gbps,
+probe_gbps}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from sparseinfer.kernels import cpu
+from sparseinfer.quant import QWeight, from_float
+
+FRACTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
+# (d_ff, d_model): gate/up and down_t are d_ff x d_model, down is d_model x d_ff
+MODELS = {"qwen2.5-1.5b": (8960, 1536), "llama-7b": (11008, 4096)}
+
+
+def best_time(fn, reps):
+    best = math.inf
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def probe_gbps(threads, nbytes=2 << 30, reps=5):
+    buf = alloc((nbytes,), torch.uint8)
+    buf.fill_(1)
+    p, n = buf.data_ptr(), buf.numel()
+    cpu._cpu.read_seconds(p, n, 1)
+    best = min(cpu._cpu.read_seconds(p, n, 1) for _ in range(reps))
+    del buf
+    return n / best / 1e9
+
+
+def alloc(shape, dtype):
+    """Like torch.empty, asking for transparent huge pages first (what a loader should do)."""
+    t = torch.empty(shape, dtype=dtype)
+    cpu._cpu.advise_hugepages(t.data_ptr(), t.numel() * t.element_size())
+    return t
+
+
+def copy_weight(w: QWeight) -> QWeight:
+    def cl(t):
+        if t is None:
+            return None
+        o = alloc(tuple(t.shape), t.dtype)
+        o.copy_(t)
+        return o
+    return QWeight(w.fmt, w.rows, w.cols, cl(w.qs), cl(w.d), cl(w.m))
+
+
+def weight_set(fmt, rows, cols, target_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    base = from_float(torch.randn(rows, cols, generator=g) * 0.02, fmt)
+    n = max(2, math.ceil(target_bytes / base.nbytes))
+    return [copy_weight(base) for _ in range(n)]
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.threads = args.threads
+        self.records = []
+        self.probe = 0.0
+
+    def add(self, kernel, fmt, rows, cols, frac, seconds, nbytes, **extra):
+        rec = {"kernel": kernel, "format": fmt, "rows": rows, "cols": cols, "active_fraction": frac,
+               "threads": self.threads, "seconds": seconds, "gbps": nbytes / seconds / 1e9 if seconds else 0.0,
+               "probe_gbps": self.probe}
+        rec.update(extra)
+        self.records.append(rec)
+        return rec
+
+    def rotate(self, ws, fn):
+        """Seconds per matrix: fn(w) over every copy, best of reps passes."""
+        return best_time(lambda: [fn(w) for w in ws], self.args.reps) / len(ws)
+
+    # ------------------------------------------------------------------------- dense
+    def dense(self, fmt, shapes):
+        out = {}
+        for rows, cols in shapes:
+            ws = weight_set(fmt, rows, cols, self.args.working_set, seed=rows)
+            x, y = torch.randn(cols), torch.empty(rows)
+            cpu.gemv(ws[0], x, out=y)
+            t = self.rotate(ws, lambda w: cpu.gemv(w, x, out=y))
+            r = self.add("gemv", fmt, rows, cols, 1.0, t, ws[0].nbytes)
+            log(f"  gemv {fmt:4s} {rows}x{cols}: {t * 1e3:7.3f} ms {r['gbps']:5.1f} GB/s "
+                f"({100 * r['gbps'] / self.probe:3.0f}% of probe)")
+            out[(rows, cols)] = t
+            del ws
+        return out
+
+    # ------------------------------------------------------------------------ sparse
+    def sparse(self, fmt, d_ff, d_model, t_up, t_down):
+        ws = weight_set(fmt, d_ff, d_model, self.args.working_set, seed=7)
+        x, xo = torch.randn(d_model), torch.empty(d_model)
+        g = torch.Generator().manual_seed(0)
+        # fused FFN: three matrices per copy (gate, up, down_t) share the working set
+        nffn = max(2, len(ws) // 3)
+        ffn = [(ws[3 * i % len(ws)], ws[(3 * i + 1) % len(ws)], ws[(3 * i + 2) % len(ws)]) for i in range(nffn)]
+        act = "silu"
+        for frac in FRACTIONS:
+            n = max(1, round(frac * d_ff))
+            rows = torch.sort(torch.randperm(d_ff, generator=g)[:n])[0].to(torch.int32)
+            h, yr = torch.randn(n), torch.empty(n)
+            touched = n * ws[0].row_bytes()
+            t = self.rotate(ws, lambda w: cpu.gemv_rows(w, x, rows, out=yr))
+            self.add("gemv_rows", fmt, d_ff, d_model, frac, t, touched, vs_dense=t / t_up)
+            t2 = self.rotate(ws, lambda w: cpu.axpy_rows(w, h, rows, out=xo))
+            self.add("axpy_rows", fmt, d_ff, d_model, frac, t2, touched, vs_dense=t2 / t_down)
+            t3 = best_time(lambda: [cpu.sparse_ffn(x, a, b, c, rows, act, out=xo) for a, b, c in ffn],
+                           self.args.reps) / nffn
+            self.add("sparse_ffn", fmt, d_ff, d_model, frac, t3, 3 * touched, vs_dense=t3 / (2 * t_up + t_down))
+            log(f"  {fmt:4s} {d_ff}x{d_model} active {frac:4.2f}: gemv_rows {t * 1e3:6.3f} ms ({t_up / t:4.1f}x) "
+                f"axpy_rows {t2 * 1e3:6.3f} ms ({t_down / t2:4.1f}x) sparse_ffn {t3 * 1e3:6.3f} ms "
+                f"({(2 * t_up + t_down) / t3:4.1f}x)")
+        del ws, ffn
+
+    # ------------------------------------------------------------------------ extras
+    def extras(self, d_ff, d_model):
+        """Alternatives, for the record: torch and numba."""
+        torch.set_num_threads(self.threads)
+        x = torch.randn(d_model)
+        n = round(0.1 * d_ff)
+        rows = torch.sort(torch.randperm(d_ff)[:n])[0]
+        for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            base = (torch.randn(d_ff, d_model) * 0.02).to(dtype)
+            ws = [alloc(base.shape, dtype).copy_(base) for _ in range(max(2, math.ceil(self.args.working_set / (base.numel() * base.element_size()))))]
+            xd = x.to(dtype)
+            t = self.rotate(ws, lambda w: torch.nn.functional.linear(xd, w))
+            self.add("torch_linear", name, d_ff, d_model, 1.0, t, ws[0].numel() * ws[0].element_size())
+            t2 = self.rotate(ws, lambda w: torch.nn.functional.linear(xd, w.index_select(0, rows)))
+            self.add("torch_index_select_linear", name, d_ff, d_model, 0.1, t2,
+                     n * d_model * ws[0].element_size(), vs_dense=t2 / t)
+            log(f"  torch {name}: linear {t * 1e3:.3f} ms, index_select(10%)+linear {t2 * 1e3:.3f} ms ({t / t2:.1f}x)")
+            del ws
+        try:
+            self.numba_q4(d_ff, d_model, x)
+        except ImportError:
+            log("  numba not installed")
+
+    def numba_q4(self, d_ff, d_model, x):
+        import numba
+        import numpy as np
+
+        numba.set_num_threads(self.threads)
+
+        @numba.njit(parallel=True, fastmath=True, cache=False)
+        def q4_gemv(qs, d, m, xs, sx, y):
+            # qs (N, Kp/2) uint8 in GGUF nibble order; d, m (N, nb) f32; per-lane accumulators
+            nrows, nb = d.shape
+            for i in numba.prange(nrows):
+                acc = np.zeros(16, np.float32)
+                tot = np.float32(0)
+                for b in range(nb):
+                    part = np.zeros(16, np.float32)
+                    for j in range(16):
+                        q = qs[i, b * 16 + j]
+                        part[j] = np.float32(q & 15) * xs[b * 32 + j] + np.float32(q >> 4) * xs[b * 32 + 16 + j]
+                    for j in range(16):
+                        acc[j] += d[i, b] * part[j]
+                    tot += m[i, b] * sx[b]
+                y[i] = acc.sum() + tot
+
+        w = from_float(torch.randn(d_ff, d_model) * 0.02, "q4")
+        ncopy = max(2, math.ceil(self.args.working_set / w.nbytes))
+        qs = [w.qs.numpy().copy() for _ in range(ncopy)]
+        d, m = w.d.float().numpy(), w.m.float().numpy()
+        xs = x.numpy()
+        sx = xs.reshape(-1, 32).sum(-1).astype(np.float32)
+        y = np.empty(d_ff, np.float32)
+        q4_gemv(qs[0], d, m, xs, sx, y)
+        t = best_time(lambda: [q4_gemv(q, d, m, xs, sx, y) for q in qs], self.args.reps) / ncopy
+        self.add("numba_q4_gemv", "q4", d_ff, d_model, 1.0, t, w.nbytes)
+        log(f"  numba q4 gemv: {t * 1e3:.3f} ms ({w.nbytes / t / 1e9:.1f} GB/s)")
+
+    def overhead(self):
+        w = from_float(torch.randn(4, 64), "q4")
+        x, y = torch.randn(64), torch.empty(4)
+        n = 20000
+        t = best_time(lambda: [cpu.gemv(w, x, out=y) for _ in range(n)], 3) / n
+        self.add("call_overhead_gemv_4x64", "q4", 4, 64, 1.0, t, w.nbytes)
+        log(f"  per-call time of a 4x64 q4 gemv (out=): {t * 1e6:.2f} us")
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------- report
+
+def write_markdown(path, b: Bench, meta):
+    R = b.records
+    lines = [
+        "# CPU kernel benchmarks",
+        "",
+        f"Machine: {meta['cpu']}, {meta['threads']} threads, kernels `{meta['simd']}`, "
+        f"load average before/after {meta['load0']:.1f}/{meta['load1']:.1f} "
+        "(the machine was shared: every number is the best of several passes).  ",
+        f"Read-bandwidth probe (C, {meta['threads']} threads, 2 GiB): **{b.probe:.1f} GB/s**.  ",
+        f"Working set per measurement >= {b.args.working_set / 1e9:.1f} GB (copies rotated), far beyond the LLC.  ",
+        f"Command: `python benchmarks/kernels.py {' '.join(meta['argv'])}`",
+        "",
+        "## Dense gemv (decode, one token)",
+        "",
+        "| shape (rows x cols) | format | ms | GB/s | % of probe |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in R:
+        if r["kernel"] == "gemv":
+            lines.append(f"| {r['rows']}x{r['cols']} | {r['format']} | {r['seconds'] * 1e3:.3f} | "
+                         f"{r['gbps']:.1f} | {100 * r['gbps'] / b.probe:.0f}% |")
+    lines += ["", "## Sparse kernels: time relative to the dense gemv of the same bytes",
+              "", "Random sorted active rows; `gemv_rows` vs dense gate/up gemv, `axpy_rows` vs dense "
+              "down gemv (d_model x d_ff), `sparse_ffn` (gate+up+down fused) vs the three dense gemvs. "
+              "Ideal = the active fraction.", ""]
+    shapes = sorted({(r["rows"], r["cols"]) for r in R if r["kernel"] == "gemv_rows"})
+    fmts = [f for f in b.args.formats if any(r["kernel"] == "gemv_rows" and r["format"] == f for r in R)]
+    head = "| shape | format | kernel | " + " | ".join(f"{f:g}" for f in FRACTIONS) + " | speedup at 0.1 |"
+    lines += [head, "|---|---|---|" + "---:|" * (len(FRACTIONS) + 1)]
+    for shape in shapes:
+        for fmt in fmts:
+            for k in ("gemv_rows", "axpy_rows", "sparse_ffn"):
+                rs = {r["active_fraction"]: r for r in R if r["kernel"] == k and r["format"] == fmt
+                      and (r["rows"], r["cols"]) == shape}
+                if not rs:
+                    continue
+                cells = [f"{rs[f]['vs_dense']:.3f}" if f in rs else "" for f in FRACTIONS]
+                sp = f"{1 / rs[0.1]['vs_dense']:.1f}x" if 0.1 in rs else ""
+                lines.append(f"| {shape[0]}x{shape[1]} | {fmt} | {k} | " + " | ".join(cells) + f" | {sp} |")
+    lines += ["", "Achieved GB/s of the sparse kernels (bytes of the active rows / time):", "",
+              "| shape | format | kernel | " + " | ".join(f"{f:g}" for f in FRACTIONS) + " |",
+              "|---|---|---|" + "---:|" * len(FRACTIONS)]
+    for shape in shapes:
+        for fmt in fmts:
+            for k in ("gemv_rows", "axpy_rows", "sparse_ffn"):
+                rs = {r["active_fraction"]: r for r in R if r["kernel"] == k and r["format"] == fmt
+                      and (r["rows"], r["cols"]) == shape}
+                if rs:
+                    lines.append(f"| {shape[0]}x{shape[1]} | {fmt} | {k} | "
+                                 + " | ".join(f"{rs[f]['gbps']:.1f}" if f in rs else "" for f in FRACTIONS) + " |")
+    ext = [r for r in R if r["kernel"] in ("torch_linear", "torch_index_select_linear", "numba_q4_gemv",
+                                           "call_overhead_gemv_4x64")]
+    if ext:
+        lines += ["", "## Alternatives, for the record", "",
+                  "| kernel | format | shape | active | ms | GB/s |", "|---|---|---|---:|---:|---:|"]
+        for r in ext:
+            ms = f"{r['seconds'] * 1e3:.4f}" if r["seconds"] < 1e-3 else f"{r['seconds'] * 1e3:.3f}"
+            lines.append(f"| {r['kernel']} | {r['format']} | {r['rows']}x{r['cols']} | {r['active_fraction']:g} | "
+                         f"{ms} | {r['gbps']:.1f} |")
+    if b.args.plot:
+        lines += ["", f"![sparse kernel time vs active fraction]({os.path.relpath(b.args.plot, os.path.dirname(path))})"]
+    lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def write_plot(path, b: Bench):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({(r["rows"], r["cols"]) for r in b.records if r["kernel"] == "gemv_rows"})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    styles = {"gemv_rows": "-", "axpy_rows": "--", "sparse_ffn": ":"}
+    colors = dict(zip(b.args.formats, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for ax, shape in zip(axes[0], shapes):
+        for fmt in b.args.formats:
+            for k, ls in styles.items():
+                rs = sorted((r["active_fraction"], r["vs_dense"]) for r in b.records
+                            if r["kernel"] == k and r["format"] == fmt and (r["rows"], r["cols"]) == shape)
+                if rs:
+                    ax.plot([a for a, _ in rs], [v for _, v in rs], ls, marker="o", ms=3, color=colors.get(fmt),
+                            label=f"{fmt} {k}")
+        ax.plot(FRACTIONS, FRACTIONS, color="gray", lw=3, alpha=0.4, label="ideal (= fraction)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("active fraction of neurons")
+        ax.set_ylabel("time / dense gemv time (same bytes)")
+        ax.set_title(f"{shape[0]}x{shape[1]}, {b.threads} threads")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write the records to this file")
+    ap.add_argument("--md", help="write a markdown report (e.g. docs/kernels-benchmarks.md)")
+    ap.add_argument("--plot", help="write the sparse plot (e.g. docs/img/kernels_sparse.png)")
+    ap.add_argument("--formats", default="q4,q8,f16,bf16,f32")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--reps", type=int, default=5, help="passes per measurement (best is kept)")
+    ap.add_argument("--working-set", type=float, default=1.5e9, help="bytes of weight copies per measurement")
+    ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
+    ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
+    args = ap.parse_args(argv)
+    args.formats = args.formats.split(",")
+    models = args.models.split(",")
+    if args.quick:
+        args.formats = [f for f in args.formats if f in ("q4", "q8")] or ["q4"]
+        models, args.reps, args.working_set = models[:1], 3, min(args.working_set, 0.6e9)
+    if not cpu.available():
+        sys.exit("sparseinfer._cpu is not built: pip install -e . with a C compiler")
+    cpu.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(),
+            "load0": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv}
+    b = Bench(args)
+    log(f"{meta['cpu']}: kernels {meta['simd']}, {args.threads} threads, load {meta['load0']:.1f}")
+    b.probe = probe_gbps(args.threads)
+    b.add("read_probe", "u8", 0, 0, 1.0, (2 << 30) / b.probe / 1e9, 2 << 30)
+    log(f"read-bandwidth probe: {b.probe:.1f} GB/s")
+    for name in models:
+        d_ff, d_model = MODELS[name]
+        log(f"{name}: d_ff {d_ff}, d_model {d_model}")
+        for fmt in args.formats:
+            t = b.dense(fmt, [(d_ff, d_model), (d_model, d_ff)])
+            b.sparse(fmt, d_ff, d_model, t[(d_ff, d_model)], t[(d_model, d_ff)])
+        if not args.no_extras:
+            b.extras(d_ff, d_model)
+    b.overhead()
+    meta["load1"] = os.getloadavg()[0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(b.records, f, indent=1)
+    if args.plot:
+        write_plot(args.plot, b)
+    if args.md:
+        write_markdown(args.md, b, meta)
+    log(f"done (load {meta['load1']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
