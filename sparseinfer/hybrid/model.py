@@ -113,8 +113,8 @@ class HybridCausalLM(CausalLM):
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits on the CPU; on the device `HEAD_PIECE` tokens at a time (vocab-wide rows)."""
-        if self.head_device.type == "cpu" and x.device.type == "cpu":
-            return self.head(self.norm(x))
+        if self.head_device.type == "cpu":
+            return self.head(self.norm(x.to(CPU)))
         pieces = [self.head(self.norm(x[:, s: s + HEAD_PIECE].to(self.head_device))).to(CPU)
                   for s in range(0, x.shape[1], HEAD_PIECE)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
