@@ -46,7 +46,7 @@ static struct {
     .cv = PTHREAD_COND_INITIALIZER,
     .busy = PTHREAD_MUTEX_INITIALIZER,
     .config = PTHREAD_MUTEX_INITIALIZER,
-    .spin_us = 300,
+    .spin_us = 100,
 };
 
 static double now_us(void) {
@@ -80,6 +80,7 @@ static void *worker_main(void *arg) {
             CPU_RELAX();
             if (++spins == 256) {
                 spins = 0;
+                sched_yield(); /* let torch's (or anyone's) runnable threads have the core */
                 if (now_us() - t0 > atomic_load_explicit(&P.spin_us, memory_order_relaxed)) {
                     pthread_mutex_lock(&P.mu);
                     atomic_fetch_add(&P.sleepers, 1);
