@@ -94,7 +94,7 @@ class LLM:
 
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
          sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
-         device: str | None = "cpu", vram_budget: str | float | None = None) -> LLM:
+         device: str | None = "cpu", vram_budget: str | float | None = None, n_seq: int = 1) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
@@ -102,7 +102,8 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`).  device: "cpu"
     (default: the library never takes a GPU unasked; the CLI's default is "auto"), "auto" (CUDA
     when torch sees a GPU) or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB", a
-    number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`."""
+    number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`; n_seq: sequences
+    alive at once (the server's slots), each with its own KV cache on the GPU."""
     from .io.tokenizer import Tokenizer
 
     if threads:
@@ -128,7 +129,8 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     from .hybrid import prepare as place_on_device
 
     with torch.inference_mode():
-        llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint)
+        llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
+                                                   n_seq=n_seq)
     return llm
 
 

@@ -247,15 +247,31 @@ def test_cold_neurons_run_in_the_worker_thread(folders, tokens, monkeypatch):
     hm.close()
 
 
-def test_device_cache_limits(folders):
+def test_device_kv_stays_within_what_was_counted(folders, tokens):
+    """Caches draw on per-layer pools of the counted KV bytes: a second live sequence, a batch
+    or a longer cache than planned is refused, not allocated past the budget."""
     m = build(folders("llama"))
     stats = sparsify(m)
     hm, p = place_model(m, "cpu", budget_at(m, 1.0), CTX, stats, use_cache=False)
     assert isinstance(hm, HybridCausalLM)
-    with pytest.raises(Exception, match="larger than"):
-        hm.new_cache(CTX * 2)
-    with torch.inference_mode(), pytest.raises(Exception, match="batch of 2"):
-        hm(torch.ones(2, 3, dtype=torch.long), hm.new_cache())
+    with torch.inference_mode():
+        first = hm.new_cache()
+        hm(tokens[:, :4], first)
+        with pytest.raises(Exception, match="would exceed"):
+            hm(tokens[:, :4], hm.new_cache())
+        with pytest.raises(Exception, match="would exceed"):
+            hm(tokens[:, :4], hm.new_cache(CTX * 2))
+        del first  # frees its share
+        hm(tokens[:, :4], hm.new_cache(CTX // 2))
+        with pytest.raises(Exception, match="would exceed"):
+            hm(torch.ones(2, 3, dtype=torch.long), hm.new_cache())
+    m = build(folders("llama"))
+    stats = sparsify(m)
+    hm, p = place_model(m, "cpu", budget_at(m, 1.0), CTX, stats, use_cache=False, n_seq=2)
+    with torch.inference_mode():
+        a, b = hm.new_cache(), hm.new_cache()
+        hm(tokens[:, :4], a)
+        hm(tokens[:, :4], b)
 
 
 def test_too_small_budget_runs_on_cpu_with_a_message(folders, tokens, caplog):

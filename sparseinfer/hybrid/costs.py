@@ -109,13 +109,14 @@ def scratch_bytes(config, ctx_size: int, n_ffn: int, device_type: str = "cuda",
 
 
 def cost_model(model, ctx_size: int, device_type: str = "cuda", kv_dtype: torch.dtype = torch.float32,
-               chunk: int = DEVICE_CHUNK) -> CostModel:
-    """The `CostModel` of a built `CausalLM` (FFNs: `MLP` or `SparseFFN`) for `ctx_size` tokens."""
+               chunk: int = DEVICE_CHUNK, n_seq: int = 1) -> CostModel:
+    """The `CostModel` of a built `CausalLM` (FFNs: `MLP` or `SparseFFN`) for `n_seq` sequences
+    of `ctx_size` tokens alive at once (each with its own KV cache, one forward at a time)."""
     c = model.config
     layers, pred_hidden = [], 0
     for block, ffn in zip(model.layers, ffn_modules(model)):
         norms = sum(device_bytes(ch) for ch in block.children() if ch is not block.attn and ch is not ffn)
-        layers.append(LayerCosts(attn=device_bytes(block.attn), kv=kv_bytes(c, ctx_size, kv_dtype), norms=norms,
+        layers.append(LayerCosts(attn=device_bytes(block.attn), kv=n_seq * kv_bytes(c, ctx_size, kv_dtype), norms=norms,
                                  predictor=predictor_device_bytes(ffn), neuron=neuron_bytes(ffn),
                                  n_neurons=ffn.n_neurons, dense_ffn=dense_ffn_bytes(ffn)))
         pred = getattr(ffn, "predictor", None)

@@ -8,6 +8,7 @@ attention runs and whose KV cache lives next to its attention.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,8 +22,8 @@ from ..models.layers import MLP, Linear, Rotary
 from ..quant import QWeight
 from ..sparse.apply import ffn_slots
 from ..sparse.ffn import SparseFFN
-from .costs import DEVICE_CHUNK, HEAD_PIECE
-from .device_ops import DeviceLinear
+from .costs import DEVICE_CHUNK, HEAD_PIECE, kv_bytes
+from .device_ops import ALLOC_ROUND, DeviceLinear
 from .ffn import CpuWorker, HybridFFN
 from .placement import Placement
 
@@ -47,44 +48,75 @@ class NeuronStats:
         return [f.float()[o.long()].numpy() for f, o in zip(self.frequency, self.order)]
 
 
-class DeviceLayerKV(LayerKV):
-    """A layer's cache on the accelerator, allocated whole at first use: growing it in steps
-    would briefly hold two copies, more than the placement counted."""
+class KVPool:
+    """The KV bytes one layer may hold on the accelerator (what the placement counted: `n_seq`
+    sequences of the planned context); caches take from it when they allocate and give back
+    when they are freed, so any mix of caches stays within the budget."""
 
-    def __init__(self, max_len: int, dtype=torch.float32, device="cuda", max_batch: int = 1):
+    def __init__(self, limit: int, what: str):
+        self.limit, self.used, self.what = limit, 0, what
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            if self.used + n > self.limit:
+                raise SparseInferError(
+                    f"a KV cache of {n} bytes on the accelerator would exceed the {self.limit} the VRAM placement "
+                    f"counted ({self.what}, {self.used} in use); load with a larger ctx_size (-c) or more sequences "
+                    "(n_seq / --parallel), or use --device cpu")
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+class DeviceLayerKV(LayerKV):
+    """A layer's cache on the accelerator, allocated whole at first use (growing it in steps
+    would briefly hold two copies) out of the layer's `KVPool`."""
+
+    def __init__(self, max_len: int, dtype, device, pool: KVPool):
         super().__init__(max_len, dtype, device)
-        self.max_batch = max_batch
+        self.pool, self._taken = pool, 0
 
     def _ensure(self, k: torch.Tensor, need: int) -> None:
         if self.k is None and need <= self.max_len:
             B, H, _, D = k.shape
-            if B > self.max_batch:
-                raise SparseInferError(f"batch of {B} on the accelerator, but the VRAM placement counted "
-                                       f"KV memory for {self.max_batch}; use --device cpu for batches")
+            one = B * H * self.max_len * D * torch.empty(0, dtype=self.dtype).element_size()
+            n = 2 * (-(-one // ALLOC_ROUND) * ALLOC_ROUND)
+            self.pool.take(n)
+            self._taken = n
             self.k = torch.zeros(B, H, self.max_len, D, dtype=self.dtype, device=self.device)
             self.v = torch.zeros_like(self.k)
         super()._ensure(k, need)
+
+    def __del__(self):
+        if self._taken:
+            self.pool.give(self._taken)
+            self._taken = 0
 
 
 class HybridCausalLM(CausalLM):
     """A `CausalLM` with parts on an accelerator; same call signature, logits on the CPU."""
 
     def __init__(self, base: CausalLM, placement: Placement, accel: torch.device, ctx_size: int,
-                 homes: Sequence[torch.device], worker: CpuWorker, kv_dtype=torch.float32, chunk: int = DEVICE_CHUNK):
+                 homes: Sequence[torch.device], worker: CpuWorker, kv_dtype=torch.float32, n_seq: int = 1,
+                 chunk: int = DEVICE_CHUNK):
         super().__init__(base.config, base.embed, list(base.layers), base.norm, base.head, base.pos_embed)
         self.placement, self.accel, self.ctx_size = placement, torch.device(accel), ctx_size
         self.homes, self.worker, self.kv_dtype, self.chunk = list(homes), worker, kv_dtype, chunk
         self.head_device = self.accel if placement.head_on_device else CPU
+        limit = n_seq * kv_bytes(self.config, ctx_size, kv_dtype)
+        what = f"{n_seq} sequence(s) of {ctx_size} tokens"
+        self.kv_pools = [KVPool(limit, what) if on else None for on in placement.attn_on_device]
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
+        """A cache whose accelerator layers draw on the placement's KV pools (default: the planned context)."""
         n = max_len or self.ctx_size
         cache = KVCache(len(self.layers), n)
-        for i, home in enumerate(self.homes):
-            if self.placement.attn_on_device[i]:
-                if n > self.ctx_size:
-                    raise SparseInferError(f"a cache of {n} tokens is larger than the {self.ctx_size} the VRAM "
-                                           "placement counted; load with a larger ctx_size (-c)")
-                cache.layers[i] = DeviceLayerKV(n, self.kv_dtype, home)
+        for i, pool in enumerate(self.kv_pools):
+            if pool is not None:
+                cache.layers[i] = DeviceLayerKV(n, self.kv_dtype, self.homes[i], pool)
         return cache
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -180,7 +212,7 @@ def _split_ffn(ffn: nn.Module, n_hot: int, accel: torch.device, home: torch.devi
 
 
 def apply_placement(model: CausalLM, placement: Placement, accel: torch.device | str, ctx_size: int,
-                    kv_dtype=torch.float32) -> CausalLM:
+                    kv_dtype=torch.float32, n_seq: int = 1) -> CausalLM:
     """Move and split `model` (in place) as `placement` says; returns the model to run.
     Neurons mode wants `SparseFFN` blocks (see `sparsify_dense`); layers mode dense `MLP`s.
     A CPU-only placement returns `model` itself."""
@@ -206,4 +238,4 @@ def apply_placement(model: CausalLM, placement: Placement, accel: torch.device |
     if placement.head_on_device:
         model.norm = move_module(model.norm, accel)
         model.head = DeviceLinear.moved(model.head, accel)
-    return HybridCausalLM(model, placement, accel, ctx_size, homes, worker, kv_dtype)
+    return HybridCausalLM(model, placement, accel, ctx_size, homes, worker, kv_dtype, n_seq)
