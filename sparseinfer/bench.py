@@ -7,6 +7,7 @@ import time
 import torch
 
 from .generate import decode, prefill
+from .sparse.apply import bench_fields, reset_stats
 
 
 def measure(llm, n_prompt: int = 512, n_gen: int = 128, seed: int = 0) -> dict:
@@ -22,27 +23,36 @@ def measure(llm, n_prompt: int = 512, n_gen: int = 128, seed: int = 0) -> dict:
         logits = prefill(llm.model, ids, cache)
         t1 = time.perf_counter()
         tok = int(logits.argmax())
+        reset_stats(llm.model)
+        td = time.perf_counter()
         for _ in range(n_gen):
             tok = int(decode(llm.model, tok, cache).argmax())
         t2 = time.perf_counter()
-    return {"n_prompt": n_prompt, "n_gen": n_gen, "prompt_tps": n_prompt / (t1 - t0), "decode_tps": n_gen / (t2 - t1)}
+    return {"n_prompt": n_prompt, "n_gen": n_gen, "prompt_tps": n_prompt / (t1 - t0), "decode_tps": n_gen / (t2 - td),
+            **bench_fields(llm.model, t2 - td)}
 
 
 def run_bench(a) -> int:
     from . import load
 
-    llm = load(a.model, threads=a.threads)
+    llm = load(a.model, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
+               dense=getattr(a, "dense", False), density=getattr(a, "density", None))
     threads = torch.get_num_threads()
     best = None
     for _ in range(max(1, a.repetitions)):
         r = measure(llm, a.n_prompt, a.n_gen)
         if best is None or r["decode_tps"] > best["decode_tps"]:
             best = r
-    rec = {"model": str(llm.info.path), "mode": "dense", "density": 1.0, "threads": threads,
-           "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2)}
-    print(f"model: {llm.info.path}\nthreads: {threads}\n"
+    rec = {"model": str(llm.info.path), "mode": best["mode"], "density": round(best["density"], 4), "threads": threads,
+           "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2),
+           "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
+           "bytes_per_token": int(best["bytes_per_token"]),
+           "predictor_time_fraction": round(best["predictor_time_fraction"], 4)}
+    print(f"model: {llm.info.path}\nthreads: {threads}\nmode: {rec['mode']} (density {rec['density']:.3f}, "
+          f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
           f"prompt ({a.n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
-          f"decode ({a.n_gen} tokens):  {rec['decode_tps']:.1f} tok/s")
+          f"decode ({a.n_gen} tokens):  {rec['decode_tps']:.1f} tok/s, {rec['bytes_per_token'] / 2**20:.1f} MiB/token, "
+          f"predictor {100 * rec['predictor_time_fraction']:.1f}% of decode time")
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -16,6 +16,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show tracebacks and load details")
 
 
+def _sparse_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--dense", action="store_true", help="ignore the sparsity pack next to the model")
+    g.add_argument("--sparse", default=None, metavar="PACK", help="use this sparsity pack (default: MODEL.sparse if present)")
+    p.add_argument("--density", type=float, default=None, metavar="D",
+                   help="force the FFN active fraction to D (speed measurement; top-D predicted neurons with a pack)")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
@@ -37,9 +45,12 @@ def _load(a):
     from . import load
 
     t0 = time.perf_counter()
-    llm = load(a.model, ctx_size=a.ctx_size, threads=a.threads)
+    llm = load(a.model, ctx_size=a.ctx_size, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
+               dense=getattr(a, "dense", False), density=getattr(a, "density", None))
     if a.verbose:
         print(f"loaded {llm.info.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        if getattr(llm, "sparsity", None) is not None:
+            print(f"sparsity pack: {llm.sparsity.path}", file=sys.stderr)
     return llm
 
 
@@ -124,14 +135,24 @@ def cmd_ppl(a) -> int:
     except OSError as e:
         raise SparseInferError(f"cannot read {path}: {e.strerror}; pass -f FILE") from None
     llm = _load(a)
+    from .sparse.apply import perplexity_mode
+
+    mode = perplexity_mode(llm)
     r = perplexity(llm, text, ctx=a.ctx_size or 512, n_chunks=a.chunks)
-    print(f"perplexity: {r['ppl']:.4f} over {r['tokens_scored']} tokens ({r['chunks']} chunks of {r['ctx']}) "
+    print(f"perplexity ({mode}): {r['ppl']:.4f} over {r['tokens_scored']} tokens ({r['chunks']} chunks of {r['ctx']}) "
           f"in {r['seconds']:.1f}s")
     if a.json:
-        rec = {k: v for k, v in r.items() if k != "per_chunk"} | {"model": str(llm.info.path), "file": str(path)}
+        rec = {k: v for k, v in r.items() if k != "per_chunk"} | {"model": str(llm.info.path), "file": str(path),
+                                                                   "mode": mode}
         with open(a.json, "a") as f:
             f.write(json.dumps(rec) + "\n")
     return 0
+
+
+def cmd_prepare(a) -> int:
+    from .sparse.prepare import run_prepare
+
+    return run_prepare(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,12 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("-q", "--quiet", action="store_true", help="no timing line")
+    _sparse_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat")
     _model_args(p)
     _sampling_args(p)
     p.add_argument("--system", default=None, help="system prompt")
+    _sparse_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("inspect", help="describe a model file: architecture, sizes, tensor types")
@@ -169,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--repetitions", type=int, default=1)
     p.add_argument("--json", default=None, help="append results as JSON records to this file")
+    _sparse_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("ppl", help="perplexity on a text file (default: WikiText-2 test), llama.cpp's method")
@@ -176,7 +200,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", default=None, help="text file (default: ../shared/data/wikitext-2-raw/wiki.test.raw)")
     p.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
     p.add_argument("--json", default=None, help="append the result as a JSON record to this file")
+    _sparse_args(p)
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("prepare", help="make the sparsity pack of a model (thresholds, profile, predictors)")
+    p.add_argument("model", help="a .gguf file, a Hugging Face folder or a catalog name")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--data", default=None, help="calibration text: a file or folder (default: a mix of ../shared/data)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--target-sparsity", type=float, default=None, metavar="S", help="gated FFNs: zero this fraction of neurons")
+    g.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
+                   help="gated FFNs: largest sparsity within (1+P) x dense perplexity on a held-out slice (default 0.03)")
+    p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
+    p.add_argument("--recall", type=float, default=0.99, help="predictor recall target (default 0.99)")
+    p.add_argument("--steps", type=int, default=400, help="training steps per predictor size")
+    p.add_argument("--sizes", default=None, help="predictor hidden-size ladder, e.g. 64,128,256")
+    p.add_argument("-o", "--output", default=None, help="pack path (default: MODEL.sparse / FOLDER/sparsity.sparse)")
+    p.add_argument("--no-plot", action="store_true", help="skip the activation-frequency PNG")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out perplexity check")
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=cmd_prepare)
     return ap
 
 

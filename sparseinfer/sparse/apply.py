@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import SparsityPackError
 from ..models.layers import MLP
+from ..quant import QWeight
 from .ffn import SparseFFN
 
 PACK_SUFFIX = ".sparse"
@@ -96,7 +97,8 @@ def decode_stats(model: nn.Module) -> dict:
     tokens = ffns[0].stats.tokens
     rows = sum(f.stats.rows for f in ffns)
     total_rows = sum(f.n_neurons * (2 if f.gate is None else 3) for f in ffns)
-    return {"tokens": tokens, "ffn_rows_touched_fraction": rows / (tokens * total_rows),
+    kept = sum(f.stats.kept for f in ffns) / (tokens * sum(f.n_neurons for f in ffns))
+    return {"tokens": tokens, "ffn_rows_touched_fraction": rows / (tokens * total_rows), "density": kept,
             "ffn_bytes_per_token": sum(f.stats.bytes for f in ffns) / tokens,
             "predictor_seconds": sum(f.stats.predictor_seconds for f in ffns)}
 
@@ -140,3 +142,56 @@ def apply_sparsity(model: nn.Module, model_path, source, sparse="auto", density:
     if pack is not None or density is not None:
         sparsify(model, pack, density=density)
     return pack
+
+
+def perplexity_mode(llm) -> str:
+    """Put a sparsified model in the mode perplexity must use and name it: "sparse" scores
+    per-token predictor x threshold masks on whole chunks (what sparse decode computes)."""
+    ffns = sparse_ffns(llm.model)
+    if not ffns:
+        return "dense"
+    set_mode(llm.model, "faithful")
+    return "sparse" if ffns[0].density is None else f"density {ffns[0].density:g}"
+
+
+def _qweights(module: nn.Module):
+    for m in module.modules():
+        for v in vars(m).values():
+            if isinstance(v, QWeight):
+                yield v
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes a dense decode step reads outside the FFNs, dense FFN bytes).  The embedding
+    table counts only when the head shares it (a lookup reads one row)."""
+    ffn_ids, ffn_bytes = set(), 0
+    for p, n in ffn_slots(model):
+        for w in _qweights(getattr(p, n)):
+            if id(w.qs) not in ffn_ids and w is not getattr(getattr(p, n), "_down_t", None):
+                ffn_ids.add(id(w.qs))
+                ffn_bytes += w.nbytes
+    head = {id(w.qs) for w in _qweights(model.head)} if hasattr(model, "head") else set()
+    embed = {id(w.qs) for w in _qweights(model.embed)} if hasattr(model, "embed") else set()
+    seen, other = set(), 0
+    for w in _qweights(model):
+        k = id(w.qs)
+        if k in seen or k in ffn_ids or (k in embed and k not in head):
+            continue
+        seen.add(k)
+        other += w.nbytes
+    return other, ffn_bytes
+
+
+def bench_fields(model: nn.Module, decode_seconds: float) -> dict:
+    """The benchmark's sparsity fields for the decode steps since `reset_stats`: mode, density,
+    FFN rows touched, weight bytes read per token, predictor share of decode time."""
+    other, ffn_dense = weight_bytes(model)
+    st = decode_stats(model)
+    if not st:
+        return {"mode": "dense", "density": 1.0, "ffn_rows_touched_fraction": 1.0,
+                "bytes_per_token": other + ffn_dense, "predictor_time_fraction": 0.0}
+    forced = sparse_ffns(model)[0].density
+    return {"mode": "sparse" if forced is None else "density", "density": st["density"],
+            "ffn_rows_touched_fraction": st["ffn_rows_touched_fraction"],
+            "bytes_per_token": other + st["ffn_bytes_per_token"],
+            "predictor_time_fraction": st["predictor_seconds"] / max(decode_seconds, 1e-9)}

@@ -220,3 +220,35 @@ def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase:
                 hi = mid
     bar.close()
     return SearchResult(best[0], dense, best[1], history)
+
+
+class RecallMeter:
+    """An observer measuring each layer's predictor against the sparsified model's active set
+    (micro-averaged over tokens and neurons): recall, precision, predicted and true density."""
+
+    def __init__(self, ffns):
+        self.index = {id(f): i for i, f in enumerate(ffns)}
+        self.tp = [0] * len(ffns)
+        self.npred = [0] * len(ffns)
+        self.ntrue = [0] * len(ffns)
+        self.total = [0] * len(ffns)
+        for f in ffns:
+            f.observer = self
+
+    def __call__(self, ffn, x2, a, mask) -> None:
+        i = self.index[id(ffn)]
+        pred = ffn.predictor.mask_batch(x2)
+        self.tp[i] += int((pred & mask).sum())
+        self.npred[i] += int(pred.sum())
+        self.ntrue[i] += int(mask.sum())
+        self.total[i] += mask.numel()
+
+    def layers(self) -> list[dict]:
+        return [{"recall": tp / max(nt, 1), "precision": tp / max(npd, 1), "density_predicted": npd / max(tot, 1),
+                 "density_true": nt / max(tot, 1)}
+                for tp, npd, nt, tot in zip(self.tp, self.npred, self.ntrue, self.total)]
+
+    def overall(self) -> dict:
+        tp, npd, nt, tot = sum(self.tp), sum(self.npred), sum(self.ntrue), sum(self.total)
+        return {"recall": tp / max(nt, 1), "precision": tp / max(npd, 1), "density_predicted": npd / max(tot, 1),
+                "density_true": nt / max(tot, 1)}

@@ -44,11 +44,12 @@ class DecodeStats:
 
     tokens: int = 0
     rows: int = 0            # FFN weight rows read (gate + up + down_t), summed over tokens
+    kept: int = 0            # neurons whose up/down rows were computed, summed over tokens
     bytes: int = 0           # FFN + predictor weight bytes read
     predictor_seconds: float = 0.0
 
     def reset(self) -> None:
-        self.tokens = self.rows = self.bytes = 0
+        self.tokens = self.rows = self.kept = self.bytes = 0
         self.predictor_seconds = 0.0
 
 
@@ -237,6 +238,7 @@ class SparseFFN(nn.Module):
         forced = self.density is not None
         if self._fusable or (forced and self._fusable_forced):
             st.rows += n_mats * rows.numel()
+            st.kept += rows.numel()
             st.bytes += rows.numel() * self._row_bytes()
             return cpu.sparse_ffn(x, self.gate, self.up, self.down_t, rows, self.kernel_act)
         return self._staged(cpu, x, rows, -1.0 if forced else self.threshold)
@@ -265,6 +267,7 @@ class SparseFFN(nn.Module):
         st = self.stats
         n_second = 2 if self.gate is not None else 1
         st.rows += rows.numel() + n_second * kept.numel()
+        st.kept += kept.numel()
         st.bytes += rows.numel() * self.first.row_bytes() + kept.numel() * (
             self.down_t.row_bytes() + (self.up.row_bytes() if self.gate is not None else 0))
         if kept.numel() == 0:

@@ -180,6 +180,12 @@ def split_tokens(n_tokens: int, seq_len: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _train_net(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd: torch.Tensor,
                prior: torch.Tensor) -> _Net:
+    with torch.inference_mode(False), torch.enable_grad():  # callers may hold inference mode
+        return _train_loop(data, r, cfg, mu.clone(), sd.clone(), prior.clone())
+
+
+def _train_loop(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd: torch.Tensor,
+                prior: torch.Tensor) -> _Net:
     g = torch.Generator().manual_seed(cfg.seed + r)
     torch.manual_seed(cfg.seed + r)
     net = _Net(data.x.shape[1], r, data.n, prior)
@@ -189,8 +195,8 @@ def _train_net(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd: 
     ids = data.train
     for _ in range(cfg.steps):
         b = ids[torch.randint(len(ids), (min(cfg.batch, len(ids)),), generator=g)]
-        xb = (data.inputs(b) - mu) / sd
-        loss = loss_fn(net(xb), data.targets(b).float())
+        xb = ((data.inputs(b) - mu) / sd).clone()
+        loss = loss_fn(net(xb), data.targets(b).float().clone())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

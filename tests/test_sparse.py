@@ -1,0 +1,247 @@
+"""Activation sparsity on tiny random models: SparseFFN against the dense MLP and its own slow
+reference, oracle ReLU decoding == dense, per-token decode == faithful chunk evaluation,
+packs (round trip, refusal), predictors (bits, tau, q8 runtime vs reference), forced density."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseinfer.errors import SparsityPackError
+from sparseinfer.io.weights import SafetensorsSource
+from sparseinfer.models.layers import MLP, Linear
+from sparseinfer.models.registry import build_model
+from sparseinfer.quant import from_float
+from sparseinfer.sparse import calibrate as cal
+from sparseinfer.sparse.apply import (bench_fields, ffn_slots, replace_ffns, reset_stats, resolve_pack, restore, set_mode,
+                                      sparse_ffns, sparsify)
+from sparseinfer.sparse.ffn import SparseFFN
+from sparseinfer.sparse.pack import LayerPack, SparsityPack
+from sparseinfer.sparse.predictor import QPredictor, metrics, pack_bits, tune_tau, unpack_bits
+
+from tiny import hf_model, save_folder
+
+
+def tiny(kind: str, tmp_path, relu: bool = False, seed: int = 0):
+    hf = hf_model(kind, seed=seed)
+    if relu and kind.startswith("falcon"):
+        hf.config.activation = "relu"
+    src = SafetensorsSource(save_folder(hf, tmp_path / f"{kind}-{seed}"))
+    return build_model(src), src
+
+
+def stepwise(model, tokens, n_prefill: int = 0):
+    """Prefill `n_prefill` tokens (0: none), then decode one token at a time."""
+    cache = model.new_cache(64)
+    outs = [model(tokens[:, :n_prefill], cache)] if n_prefill else []
+    outs += [model(tokens[:, t: t + 1], cache) for t in range(n_prefill, tokens.shape[1])]
+    return torch.cat(outs, dim=1)
+
+
+def random_predictor(d: int, n: int, tau: float, seed: int = 0, r: int = 16) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w1": torch.randn(r, d, generator=g) * 0.2, "b1": torch.randn(r, generator=g) * 0.1,
+            "w2": torch.randn(n, r, generator=g) * 0.5, "b2": torch.randn(n, generator=g) * 0.5}
+
+
+def random_pack(model, src, thresholds=None, tau: float = 0.0, seed: int = 0) -> SparsityPack:
+    """A pack with random hotness orders and random predictors (for mechanics, not quality)."""
+    layers = []
+    for i, (p, n) in enumerate(ffn_slots(model)):
+        mlp = getattr(p, n)
+        g = torch.Generator().manual_seed(seed + i)
+        order = torch.randperm(mlp.n_neurons, generator=g)
+        freq = torch.rand(mlp.n_neurons, generator=g)
+        t = 0.0 if thresholds is None else thresholds
+        layers.append(LayerPack(t, freq, order, random_predictor(mlp.down.out_features, mlp.n_neurons, tau, seed + i),
+                                tau, {"recall": 1.0}))
+    return SparsityPack(src.fingerprint(), {"name": "tiny", "d_model": src.config.hidden_size}, "threshold", layers)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(3, 250, (1, 10), generator=torch.Generator().manual_seed(1))
+
+
+# ---------------------------------------------------------------------------- invariants
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "opt", "falcon"])
+def test_every_neuron_kept_equals_dense(kind, tmp_path, tokens):
+    """Threshold 0 and a predictor that selects everything: sparse decode == dense, with the
+    neurons permuted into a random hotness order."""
+    model, src = tiny(kind, tmp_path)
+    with torch.inference_mode():
+        ref = stepwise(model, tokens, 3)
+        sparsify(model, random_pack(model, src, tau=-1e9))
+        out = stepwise(model, tokens, 3)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama-relu", "opt", "falcon"])
+def test_relu_oracle_equals_dense(kind, tmp_path, tokens):
+    """ReLU models decoded on exactly their nonzero neurons (oracle rows) == dense."""
+    model, src = tiny(kind, tmp_path, relu=True)
+    assert all(m.act_name == "relu" for m in model.modules() if isinstance(m, MLP))
+    with torch.inference_mode():
+        ref = stepwise(model, tokens, 3)
+        sparsify(model, random_pack(model, src), mode="oracle")
+        out = stepwise(model, tokens, 3)
+        st = sparse_ffns(model)[0].stats
+    assert 0 < st.kept < st.tokens * sparse_ffns(model)[0].n_neurons  # really sparse
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-relu", "opt"])
+def test_decode_equals_faithful(kind, tmp_path, tokens):
+    """Per-token sparse decode (predictor rows, threshold inside) == the faithful whole-chunk
+    mode (predictor mask x threshold mask on dense activations): what perplexity evaluates."""
+    model, src = tiny(kind, tmp_path)
+    pack = random_pack(model, src, thresholds=0.05 if kind == "llama" else None, tau=0.3)
+    with torch.inference_mode():
+        sparsify(model, pack)
+        dec = stepwise(model, tokens)
+        set_mode(model, "faithful")
+        whole = model(tokens, model.new_cache(64))
+    torch.testing.assert_close(dec, whole, atol=1e-4, rtol=1e-4)
+
+
+def _mlp(act: str, gated: bool, bias: bool, d: int = 40, n: int = 96, fmt: str = "f32") -> MLP:
+    g = torch.Generator().manual_seed(3)
+    lin = lambda r, c: Linear(from_float(torch.randn(r, c, generator=g) * 0.3, fmt),  # noqa: E731
+                              torch.randn(r, generator=g) * 0.1 if bias else None)
+    return MLP(lin(n, d) if gated else None, lin(n, d), lin(d, n), act)
+
+
+@pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "f32"), ("silu", True, False, "q4"),
+                                                 ("drelu", True, False, "f32"), ("relu", False, True, "f32"),
+                                                 ("gelu", False, True, "q8"), ("relu", True, False, "q8")])
+@pytest.mark.parametrize("threshold", [0.0, 0.1])
+def test_decode_matches_reference(act, gated, bias, fmt, threshold):
+    """The fast single-token path (fused or staged kernels) against the slow per-token reference."""
+    mlp = _mlp(act, gated, bias, fmt=fmt)
+    n, d = mlp.n_neurons, mlp.down.out_features
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    s = random_predictor(d, n, 0.0)
+    ffn = SparseFFN(mlp, threshold, order, QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2))
+    x = torch.randn(5, d, generator=torch.Generator().manual_seed(4))
+    ref = ffn.reference(x)
+    with torch.inference_mode():
+        out = torch.stack([ffn.decode(r) for r in x])
+    tol = 1e-4 if fmt == "f32" else 0.05 * ref.abs().max().item()  # q8 down_t re-quantization + x rounding
+    torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+    if threshold == 0.0 and fmt == "f32" and act != "drelu":  # every neuron kept == the dense MLP
+        full = SparseFFN(mlp, 0.0, order, QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], -1e9))
+        torch.testing.assert_close(torch.stack([full.decode(r) for r in x]), mlp(x), atol=1e-4, rtol=1e-4)
+
+
+def test_threshold_mode_matches_masked_mlp():
+    """Dense-with-thresholds (prefill path) == the MLP with |act(gate x)| <= t zeroed by hand."""
+    mlp = _mlp("silu", True, False)
+    ffn = SparseFFN(mlp, 0.15, torch.randperm(mlp.n_neurons), mode="threshold")
+    x = torch.randn(7, 40)
+    a = torch.nn.functional.silu(mlp.gate(x))
+    h = a * mlp.up(x) * (a.abs() > 0.15)
+    torch.testing.assert_close(ffn(x[None])[0], mlp.down(h), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- forced density
+@pytest.mark.parametrize("with_pack", [True, False])
+def test_forced_density(tmp_path, tokens, with_pack):
+    model, src = tiny("llama", tmp_path)
+    with torch.inference_mode():
+        sparsify(model, random_pack(model, src) if with_pack else None, density=0.25)
+        cache = model.new_cache(64)
+        model(tokens[:, :4], cache)
+        reset_stats(model)
+        for t in range(4, 8):
+            model(tokens[:, t: t + 1], cache)
+    f = bench_fields(model, 1.0)
+    assert f["mode"] == "density" and f["density"] == pytest.approx(40 / 160)
+    assert f["ffn_rows_touched_fraction"] == pytest.approx(40 / 160)
+    assert f["predictor_time_fraction"] > 0 if with_pack else f["predictor_time_fraction"] == 0
+
+
+def test_top_rows_are_highest_scores():
+    s = random_predictor(40, 96, 0.0)
+    q = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.0)
+    x = torch.randn(40)
+    rows = q.top_rows(x, 10).long()
+    sc = q.scores(x)
+    assert sc[rows].min() >= sc.topk(10).values.min()
+
+
+# ---------------------------------------------------------------------------- predictors
+def test_bits_roundtrip():
+    m = torch.rand(13, 37) > 0.6
+    assert torch.equal(unpack_bits(pack_bits(m), 37), m)
+
+
+def test_tune_tau_reaches_recall():
+    g = torch.Generator().manual_seed(0)
+    target = torch.rand(200, 50, generator=g) > 0.7
+    logits = target.float() + torch.randn(200, 50, generator=g)
+    tau = tune_tau(logits, target, 0.95)
+    m = metrics(logits > tau, target)
+    assert 0.95 <= m["recall"] < 0.955
+
+
+def test_q8_predictor_matches_reference():
+    s = random_predictor(64, 200, 0.0, r=32)
+    q = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.0)
+    x = torch.randn(6, 64)
+    fast, ref = q.scores_batch(x), q.reference_scores(x)
+    assert (fast - ref).abs().max() < 0.02 * ref.abs().max()
+    torch.testing.assert_close(torch.stack([q.scores(r) for r in x]), fast, atol=1e-5, rtol=1e-5)
+    rows = q.active_rows(x[0]).long()
+    assert torch.equal(torch.zeros(200, dtype=torch.bool).index_fill_(0, rows, True), q.mask_batch(x[:1])[0])
+
+
+# ---------------------------------------------------------------------------- packs
+def test_pack_roundtrip(tmp_path):
+    model, src = tiny("llama", tmp_path)
+    pack = random_pack(model, src, thresholds=0.1, tau=0.2)
+    path = pack.save(tmp_path / "p.sparse")
+    back = resolve_pack(src.path, path, src)
+    assert back.fingerprint == pack.fingerprint and len(back.layers) == len(pack.layers)
+    for a, b in zip(pack.layers, back.layers):
+        assert torch.equal(a.order, b.order) and a.threshold == b.threshold and a.tau == b.tau
+        torch.testing.assert_close(a.predictor_state["w2"], b.predictor_state["w2"], atol=2e-3, rtol=2e-3)
+
+
+def test_pack_of_another_model_is_refused(tmp_path):
+    model, src = tiny("llama", tmp_path)
+    other, other_src = tiny("llama", tmp_path, seed=1)  # same shapes, other weights
+    path = random_pack(model, src).save(tmp_path / "llama.sparse")
+    with pytest.raises(SparsityPackError, match="another model"):
+        resolve_pack(other_src.path, path, other_src)
+
+
+def test_not_a_pack_is_refused(tmp_path):
+    bad = tmp_path / "bad.sparse"
+    bad.write_bytes(b"garbage" * 20)
+    with pytest.raises(SparsityPackError, match="cannot read"):
+        resolve_pack(tmp_path, bad)
+    with pytest.raises(SparsityPackError, match="not found"):
+        resolve_pack(tmp_path, tmp_path / "missing.sparse")
+
+
+def test_build_pack_tiny(tmp_path):
+    """The whole pipeline on a tiny gated model: thresholds hit the target sparsity, the hot
+    set comes first, the reported recall is measured, and the model is left dense."""
+    from sparseinfer.sparse.prepare import PrepareOptions, build_pack
+
+    model, src = tiny("llama", tmp_path)
+    g = torch.Generator().manual_seed(0)
+    cs = cal.CalibrationSet(torch.randint(3, 250, (20, 32), generator=g), torch.randint(3, 250, (2, 32), generator=g),
+                            {"tokens": 640})
+    x = torch.randint(3, 250, (1, 8), generator=g)
+    with torch.inference_mode():
+        before = model(x, model.new_cache(16))
+        pack = build_pack(model, src, cs, PrepareOptions(sizes=(16,), steps=20, target_sparsity=0.6, progress=False))
+        after = model(x, model.new_cache(16))
+    torch.testing.assert_close(after, before)
+    assert not sparse_ffns(model)
+    for lp in pack.layers:
+        assert lp.stats["density_true"] == pytest.approx(0.4, abs=0.08)
+        assert torch.all(lp.freq[lp.order][:-1] >= lp.freq[lp.order][1:])
+        assert 0.9 <= lp.stats["recall"] <= 1.0
+    assert set(pack.info["eval"]) >= {"ppl_dense", "ppl_threshold", "ppl_sparse"}
+    restore(model, replace_ffns(model, lambda i, m: m))  # a no-op swap keeps the model intact
