@@ -345,3 +345,16 @@ def test_cuda_budget_is_a_promise(mode, frac, smollm2_path):
     if frac == 1.0 and mode == "neurons":
         assert sum(p.n_hot) == sum(p.n_neurons)
     hm.close() if isinstance(hm, HybridCausalLM) else None
+
+
+def test_plan_command_prints_and_plots(folders, tmp_path, capsys, monkeypatch):
+    from sparseinfer.hybrid.placement import Placement
+    from sparseinfer.hybrid.plan import main
+
+    monkeypatch.setenv("SPARSEINFER_HOME", str(tmp_path / "home"))
+    png, js = tmp_path / "p.png", tmp_path / "p.json"
+    assert main([str(folders("llama")), "--vram-budget", "200MiB", "-c", "64", "--plot", str(png),
+                 "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "placement on cuda: mode layers" in out and "expected fraction" in out
+    assert png.stat().st_size > 1000 and Placement.from_json(js.read_text()).mode == "layers"

@@ -33,26 +33,36 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_plan(a) -> int:
-    from ..engine import load
+    import torch
+
+    from .. import catalog
+    from ..io.weights import open_source
+    from ..models.registry import build_model
+    from ..sparse.apply import apply_sparsity
     from . import NeuronStats, plan_for_model
 
     budget = parse_vram_budget(a.vram_budget)
-    llm = load(a.model, ctx_size=a.ctx_size, sparse=a.sparse, device="cpu")
-    pack = getattr(llm, "sparsity", None)
+    path = catalog.resolve(a.model)
+    src = open_source(path)
+    with torch.inference_mode():
+        model = build_model(src)
+        pack = None if a.offload == "layers" else apply_sparsity(model, path, src, a.sparse)
+    limit = model.config.max_position_embeddings
+    ctx = min(a.ctx_size, limit) if a.ctx_size else min(limit, 4096)  # as `LLM` sizes it
     stats = NeuronStats.from_pack(pack) if pack is not None else None
     mode = a.offload
     if mode == "neurons" and stats is None:
         print("no sparsity pack for this model (make one with `sparseinfer prepare`); showing layer offload",
               file=sys.stderr)
         mode = "layers"
-    p = plan_for_model(llm.model, budget, llm.ctx_size, "cuda", stats, mode, llm.info.fingerprint,
-                       group_size=a.group_size, solver=a.solver)
-    print(f"model: {llm.info.path} ({format_bytes(model_bytes(llm.model))} of weights), context {llm.ctx_size}")
+    p = plan_for_model(model, budget, ctx, "cuda", stats, mode, src.fingerprint(), group_size=a.group_size,
+                       solver=a.solver)
+    print(f"model: {path} ({format_bytes(model_bytes(model))} of weights), context {ctx}")
     print(p.describe())
     if a.json:
         Path(a.json).write_text(p.to_json())
     if a.plot:
-        plot_placement(p, a.plot, title=f"{Path(str(llm.info.path)).name}, VRAM budget {format_bytes(budget)}")
+        plot_placement(p, a.plot, title=f"{Path(str(path)).name}, VRAM budget {format_bytes(budget)}")
         print(f"plot: {a.plot}")
     return 0
 
