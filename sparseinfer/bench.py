@@ -36,7 +36,8 @@ def run_bench(a) -> int:
     from . import load
 
     llm = load(a.model, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
-               dense=getattr(a, "dense", False), density=getattr(a, "density", None))
+               dense=getattr(a, "dense", False), density=getattr(a, "density", None), ctx_size=a.ctx_size,
+               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None))
     threads = torch.get_num_threads()
     best = None
     for _ in range(max(1, a.repetitions)):

@@ -14,6 +14,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
     p.add_argument("--verbose", action="store_true", help="show tracebacks and load details")
+    p.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU), cpu or cuda[:N]")
+    p.add_argument("--vram-budget", default=None, metavar="SIZE",
+                   help="GPU memory to use: 4GiB, 512MiB, or a number of GiB (default: free memory minus 1 GiB)")
 
 
 def _sparse_args(p: argparse.ArgumentParser) -> None:
@@ -46,11 +49,14 @@ def _load(a):
 
     t0 = time.perf_counter()
     llm = load(a.model, ctx_size=a.ctx_size, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
-               dense=getattr(a, "dense", False), density=getattr(a, "density", None))
+               dense=getattr(a, "dense", False), density=getattr(a, "density", None),
+               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None))
     if a.verbose:
         print(f"loaded {llm.info.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         if getattr(llm, "sparsity", None) is not None:
             print(f"sparsity pack: {llm.sparsity.path}", file=sys.stderr)
+        if getattr(llm, "placement", None) is not None:
+            print(llm.placement.describe(), file=sys.stderr)
     return llm
 
 
@@ -158,6 +164,9 @@ def cmd_prepare(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="sparseinfer", description="Fast local LLM inference with activation sparsity")
     sub = ap.add_subparsers(dest="command", required=True)
+    from .hybrid.plan import add_plan_parser
+
+    add_plan_parser(sub)
 
     p = sub.add_parser("run", help="generate from a prompt (streams)")
     _model_args(p)

@@ -63,6 +63,8 @@ def prepare(model, device: str | torch.device | None = "auto", vram_budget: str 
     '512MiB', 1.5 = GiB; None = free memory minus a margin), then place the model: hot neurons
     with a sparsity `pack`, whole layers without; KV counted for `n_seq` live sequences.
     Returns (model, placement or None on the CPU)."""
+    if vram_budget is not None:
+        parse_vram_budget(vram_budget)  # a bad budget is an error even when no GPU is used
     dev = resolve_device(device)
     if dev.type == "cpu":
         return model, None
