@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .hybrid.plan import add_plan_parser
 
     add_plan_parser(sub)
+    from .server.cli import add_serve_parser
+
+    add_serve_parser(sub)
 
     p = sub.add_parser("run", help="generate from a prompt (streams)")
     _model_args(p)
