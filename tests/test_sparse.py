@@ -43,7 +43,7 @@ def random_predictor(d: int, n: int, tau: float, seed: int = 0, r: int = 16) -> 
             "w2": torch.randn(n, r, generator=g) * 0.5, "b2": torch.randn(n, generator=g) * 0.5}
 
 
-def random_pack(model, src, thresholds=None, tau: float = 0.0, seed: int = 0) -> SparsityPack:
+def random_pack(model, src, thresholds=None, tau: float = 0.0, seed: int = 0, policy: str = "predictor") -> SparsityPack:
     """A pack with random hotness orders and random predictors (for mechanics, not quality)."""
     layers = []
     for i, (p, n) in enumerate(ffn_slots(model)):
@@ -53,7 +53,7 @@ def random_pack(model, src, thresholds=None, tau: float = 0.0, seed: int = 0) ->
         freq = torch.rand(mlp.n_neurons, generator=g)
         t = 0.0 if thresholds is None else thresholds
         layers.append(LayerPack(t, freq, order, random_predictor(mlp.down.out_features, mlp.n_neurons, tau, seed + i),
-                                tau, {"recall": 1.0}))
+                                tau, {"recall": 1.0}, policy if i % 2 else "predictor"))
     return SparsityPack(src.fingerprint(), {"name": "tiny", "d_model": src.config.hidden_size}, "threshold", layers)
 
 
@@ -89,12 +89,14 @@ def test_relu_oracle_equals_dense(kind, tmp_path, tokens):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-relu", "opt"])
-def test_decode_equals_faithful(kind, tmp_path, tokens):
-    """Per-token sparse decode (predictor rows, threshold inside) == the faithful whole-chunk
-    mode (predictor mask x threshold mask on dense activations): what perplexity evaluates."""
+@pytest.mark.parametrize("kind,policy", [("llama", "predictor"), ("llama", "first"), ("llama-relu", "predictor"),
+                                         ("opt", "first")])
+def test_decode_equals_faithful(kind, policy, tmp_path, tokens):
+    """Per-token sparse decode (predictor rows, threshold inside; or dense first projection
+    for "first"-policy layers) == the faithful whole-chunk mode (predictor mask x threshold mask
+    on dense activations): what perplexity evaluates."""
     model, src = tiny(kind, tmp_path)
-    pack = random_pack(model, src, thresholds=0.05 if kind == "llama" else None, tau=0.3)
+    pack = random_pack(model, src, thresholds=0.05 if kind == "llama" else None, tau=0.3, policy=policy)
     with torch.inference_mode():
         sparsify(model, pack)
         dec = stepwise(model, tokens)
@@ -114,13 +116,16 @@ def _mlp(act: str, gated: bool, bias: bool, d: int = 40, n: int = 96, fmt: str =
                                                  ("drelu", True, False, "f32"), ("relu", False, True, "f32"),
                                                  ("gelu", False, True, "q8"), ("relu", True, False, "q8")])
 @pytest.mark.parametrize("threshold", [0.0, 0.1])
-def test_decode_matches_reference(act, gated, bias, fmt, threshold):
-    """The fast single-token path (fused or staged kernels) against the slow per-token reference."""
+@pytest.mark.parametrize("with_predictor", [True, False])
+def test_decode_matches_reference(act, gated, bias, fmt, threshold, with_predictor):
+    """The fast single-token path (fused, staged, or dense-first kernels) against the slow
+    per-token reference."""
     mlp = _mlp(act, gated, bias, fmt=fmt)
     n, d = mlp.n_neurons, mlp.down.out_features
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     s = random_predictor(d, n, 0.0)
-    ffn = SparseFFN(mlp, threshold, order, QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2))
+    pred = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2) if with_predictor else None
+    ffn = SparseFFN(mlp, threshold, order, pred)
     x = torch.randn(5, d, generator=torch.Generator().manual_seed(4))
     ref = ffn.reference(x)
     with torch.inference_mode():

@@ -69,7 +69,8 @@ def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float 
             raise SparsityPackError(f"sparsity pack has {len(pack.layers)} layers, the model more")
         pack.check_layer(i, mlp.n_neurons)
         layer = pack.layers[i]
-        return SparseFFN(mlp, layer.threshold, layer.order, layer.predictor(), mode=mode, density=density)
+        return SparseFFN(mlp, layer.threshold, layer.order, layer.predictor(for_ranking=density is not None),
+                         mode=mode, density=density)
 
     replace_ffns(model, make)
     if build_decode:  # the neuron-major copies, now rather than inside the first timed decode

@@ -226,8 +226,9 @@ class RecallMeter:
     """An observer measuring each layer's predictor against the sparsified model's active set
     (micro-averaged over tokens and neurons): recall, precision, predicted and true density."""
 
-    def __init__(self, ffns):
+    def __init__(self, ffns, predictors=None):
         self.index = {id(f): i for i, f in enumerate(ffns)}
+        self.predictors = predictors or [f.predictor for f in ffns]
         self.tp = [0] * len(ffns)
         self.npred = [0] * len(ffns)
         self.ntrue = [0] * len(ffns)
@@ -237,7 +238,9 @@ class RecallMeter:
 
     def __call__(self, ffn, x2, a, mask) -> None:
         i = self.index[id(ffn)]
-        pred = ffn.predictor.mask_batch(x2)
+        if self.predictors[i] is None:
+            return
+        pred = self.predictors[i].mask_batch(x2)
         self.tp[i] += int((pred & mask).sum())
         self.npred[i] += int(pred.sum())
         self.ntrue[i] += int(mask.sum())

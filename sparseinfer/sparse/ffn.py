@@ -14,7 +14,9 @@ the original column order for the dense (T > 1) path, which un-permutes h instea
 Modes (`mode`):
 - ``predict`` (runtime): one token (B = T = 1) runs the predictor, then the sparse kernels on
   the predicted rows, with the threshold applied inside that set (false positives are zeroed
-  exactly as the sparsified model would).  Prefill (T > 1) is dense with the threshold mask;
+  exactly as the sparsified model would).  Without a predictor (the pack's "first" policy,
+  where predicting costs more than it saves) the first projection runs dense and the threshold
+  picks the rows of up/down: exact.  Prefill (T > 1) is dense with the threshold mask;
   batched decode (T = 1, B > 1) applies predictor x threshold masks per token.
 - ``faithful`` (perplexity): every token, T > 1 included, gets predictor mask x threshold mask
   on the dense hidden activations: mathematically what per-token sparse decode computes.
@@ -92,6 +94,7 @@ class SparseFFN(nn.Module):
         self.mode = mode
         self.observer = None  # calibration hook: observer(ffn, x2, a, mask)
         self.stats = DecodeStats()
+        self._all_rows = torch.arange(n, dtype=torch.int32)
 
     # ------------------------------------------------------------------ set-up
     def _permute_rows(self, w: QWeight) -> QWeight:
@@ -198,15 +201,16 @@ class SparseFFN(nn.Module):
             y = y + self.down.bias
         return y
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Candidate active rows (hotness-order ids, int32, ascending)."""
+    def _rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Candidate active rows (hotness-order ids, int32, ascending); None: all of them
+        (no predictor: the first projection runs dense and the threshold picks the rows)."""
         if self._mode == "oracle":
             a, h = self.hidden(x[None])
             return self.active_mask(a, h)[0].nonzero().view(-1).to(torch.int32)
         if self.density is not None:
             return self._forced_rows(x)
         if self.predictor is None:
-            return torch.arange(self.n_neurons, dtype=torch.int32)
+            return None
         t0 = time.perf_counter()
         rows = self.predictor.active_rows(x)
         self.stats.predictor_seconds += time.perf_counter() - t0
@@ -228,11 +232,13 @@ class SparseFFN(nn.Module):
         self.stats.bytes += self.predictor.nbytes
         return rows
 
-    def _sparse_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _sparse_rows(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         cpu = _kernels()
         st = self.stats
         st.tokens += 1
         n_mats = 2 if self.gate is None else 3
+        if rows is None:
+            return self._staged(cpu, x, None, self.threshold)
         if rows.numel() == 0:
             return torch.zeros(self.d_model)
         forced = self.density is not None
@@ -247,13 +253,21 @@ class SparseFFN(nn.Module):
     def _fusable_forced(self) -> bool:
         return self.act_name != "drelu" and self.gate_bias is None and self.up_bias is None
 
-    def _staged(self, cpu, x: torch.Tensor, rows: torch.Tensor, cut: float) -> torch.Tensor:
-        """First projection on the candidate rows, threshold cut, then up/down on the kept rows."""
-        pre = cpu.gemv_rows(self.first, x, rows)
-        if self.first_bias is not None:
-            pre = pre + self.first_bias[rows]
+    def _staged(self, cpu, x: torch.Tensor, rows: torch.Tensor | None, cut: float) -> torch.Tensor:
+        """First projection on the candidate rows (rows None: all, dense), threshold cut, then
+        up/down on the kept rows."""
+        if rows is None:
+            pre = cpu.gemv(self.first, x)
+            if self.first_bias is not None:
+                pre = pre + self.first_bias
+        else:
+            pre = cpu.gemv_rows(self.first, x, rows)
+            if self.first_bias is not None:
+                pre = pre + self.first_bias[rows]
         a = self.act(pre)
         keep = a.abs() > cut
+        if rows is None:  # ids of every row, for the selection and bookkeeping below
+            rows = self._all_rows
         if self.gate is not None:
             kept = rows[keep]
             u = cpu.gemv_rows(self.up, x, kept) if kept.numel() else torch.zeros(0)

@@ -34,14 +34,16 @@ class LayerPack:
     predictor_state: dict[str, torch.Tensor] | None = None
     tau: float = 0.0
     stats: dict = field(default_factory=dict)
+    policy: str = "predictor"  # decode: "predictor" rows, or "first": dense first projection + threshold
 
     @property
     def n_neurons(self) -> int:
         return int(self.order.numel())
 
-    def predictor(self):
-        """The runtime (q8) predictor, or None."""
-        if self.predictor_state is None:
+    def predictor(self, for_ranking: bool = False):
+        """The runtime (q8) predictor decode uses (None under the "first" policy); with
+        `for_ranking` (forced density) whenever one was trained."""
+        if self.predictor_state is None or (self.policy != "predictor" and not for_ranking):
             return None
         from .predictor import QPredictor
 
@@ -73,7 +75,8 @@ class SparsityPack:
         return {
             "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint, "model": self.model,
             "activation_source": self.activation_source, "calibration": self.calibration, "info": self.info,
-            "layers": [{"threshold": lp.threshold, "tau": lp.tau, "stats": lp.stats} for lp in self.layers],
+            "layers": [{"threshold": lp.threshold, "tau": lp.tau, "policy": lp.policy, "stats": lp.stats}
+                       for lp in self.layers],
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -128,7 +131,8 @@ class SparsityPack:
                 if f"layer.{i}.pred.w1" in tensors:
                     pred = {k: tensors[f"layer.{i}.pred.{k}"].float() for k in PRED_KEYS}
                 layers.append(LayerPack(float(lm["threshold"]), tensors[f"layer.{i}.freq"].float(),
-                                        tensors[f"layer.{i}.order"].long(), pred, float(lm["tau"]), lm.get("stats", {})))
+                                        tensors[f"layer.{i}.order"].long(), pred, float(lm["tau"]), lm.get("stats", {}),
+                                        lm.get("policy", "predictor")))
             except KeyError as e:
                 raise SparsityPackError(f"{path}: sparsity pack is missing {e} (truncated or corrupt)") from None
         return cls(meta["fingerprint"], meta["model"], meta["activation_source"], layers,
@@ -156,7 +160,8 @@ class SparsityPack:
     # ------------------------------------------------------------------ summaries
     @property
     def predictor_nbytes(self) -> int:
-        return sum(lp.predictor_nbytes for lp in self.layers)
+        """Bytes of the predictors decode runs (layers under the "predictor" policy)."""
+        return sum(lp.predictor_nbytes for lp in self.layers if lp.policy == "predictor")
 
     def mean_stat(self, key: str) -> float:
         vals = [lp.stats[key] for lp in self.layers if key in lp.stats]

@@ -131,8 +131,9 @@ class PredictorResult:
     density_predicted: float
     density_true: float
     nbytes: int
-    cost_bytes: float  # predictor + selected FFN rows, bytes per token
+    cost_bytes: float  # predictor + first-projection rows it selects, bytes per token
     tried: list[dict] = field(default_factory=list)
+    policy: str = "predictor"  # or "first": the exact first projection is cheaper than predicting
 
     def runtime(self) -> QPredictor:
         s = self.state
@@ -237,9 +238,14 @@ def _evaluate(state: dict, data: LayerData, cfg: TrainConfig) -> tuple[float, di
     return tau, metrics(rep, data.targets(data.report))
 
 
-def train_predictor(data: LayerData, cfg: TrainConfig, ffn_row_bytes: int) -> PredictorResult:
-    """Train the ladder's sizes smallest first; keep the one with the lowest bytes per token
-    (predictor + predicted FFN rows); stop once a bigger size stops paying for itself."""
+def train_predictor(data: LayerData, cfg: TrainConfig, first_row_bytes: int) -> PredictorResult:
+    """Train the ladder's sizes smallest first; keep the one with the lowest bytes per token:
+    predictor + the first-projection (gate, or up) rows it selects (up/down rows follow the
+    true active set either way); stop once a bigger size stops paying for itself.
+
+    The decode policy is "predictor" when that beats computing the first projection densely
+    and thresholding it (exact, no predictor: `n * first_row_bytes`), else "first"; the
+    predictor is kept either way (forced-density benchmarks rank rows with it)."""
     d = data.x.shape[1]
     xt = data.inputs(data.train)
     mu, sd = xt.mean(0), xt.std(0).clamp_min(1e-3)
@@ -252,7 +258,7 @@ def train_predictor(data: LayerData, cfg: TrainConfig, ffn_row_bytes: int) -> Pr
         state = _fold(net, mu, sd)
         tau, m = _evaluate(state, data, cfg)
         nbytes = predictor_bytes(d, r, data.n)
-        cost = nbytes + m["density_predicted"] * data.n * ffn_row_bytes
+        cost = nbytes + m["density_predicted"] * data.n * first_row_bytes
         tried.append({"hidden": r, "cost_bytes": cost, **m})
         res = PredictorResult(state, tau, r, m["recall"], m["precision"], m["density_predicted"],
                               m["density_true"], nbytes, cost, tried)
@@ -262,4 +268,5 @@ def train_predictor(data: LayerData, cfg: TrainConfig, ffn_row_bytes: int) -> Pr
         if m["density_predicted"] <= 1.05 * m["density_true"]:
             break  # nothing left to gain from a bigger predictor
     best.tried = tried
+    best.policy = "predictor" if best.cost_bytes < data.n * first_row_bytes else "first"
     return best

@@ -24,7 +24,7 @@ from . import calibrate as cal
 from .apply import default_pack_path, replace_ffns, restore, sparse_ffns, sparsify
 from .ffn import SparseFFN
 from .pack import SparsityPack, LayerPack
-from .predictor import LADDER, LayerData, TrainConfig, q8_bytes, split_tokens, train_predictor, unpack_bits, pack_bits
+from .predictor import LADDER, LayerData, TrainConfig, pack_bits, split_tokens, train_predictor, unpack_bits
 from .profile import hotness_order, summarize
 
 RELU_ACTS = ("relu", "drelu")
@@ -152,13 +152,12 @@ def _train_layers(ffns, rec: cal.Recorder, freqs, thresholds, cs: cal.Calibratio
         x = torch.cat(rec.xs[i])
         y = _permute_bits(torch.cat(rec.ys[i]), order, f.n_neurons)
         rec.xs[i], rec.ys[i] = [], []
-        row_bytes = f.first.row_bytes() + q8_bytes(1, f.d_model) + (0 if f.gate is None else f.up.row_bytes())
-        res = train_predictor(LayerData(x, y, f.n_neurons, train, tune, report), cfg, row_bytes)
-        stats = {"hidden": res.hidden, "recall": res.recall, "precision": res.precision,
+        res = train_predictor(LayerData(x, y, f.n_neurons, train, tune, report), cfg, f.first.row_bytes())
+        stats = {"policy": res.policy, "hidden": res.hidden, "recall": res.recall, "precision": res.precision,
                  "density_predicted": res.density_predicted, "density_true": res.density_true,
                  "predictor_bytes": res.nbytes, "tried": res.tried, **summarize(freqs[i])}
-        layers.append(LayerPack(thresholds[i], freqs[i], order, res.state, res.tau, stats))
-        bar.set_postfix(r=res.hidden, recall=f"{res.recall:.3f}", dens=f"{res.density_predicted:.2f}")
+        layers.append(LayerPack(thresholds[i], freqs[i], order, res.state, res.tau, stats, res.policy))
+        bar.set_postfix(p=res.policy[0], r=res.hidden, recall=f"{res.recall:.3f}", dens=f"{res.density_predicted:.2f}")
     return layers
 
 
@@ -191,15 +190,18 @@ def print_report(pack: SparsityPack, console=None) -> None:
 
     console = console or Console()
     t = Table(title=f"sparsity pack {pack.path} ({pack.activation_source})", show_lines=False)
-    for col in ("layer", "threshold", "density", "hot80", "hidden", "recall", "precision", "pred. density", "pred. KiB"):
+    for col in ("layer", "threshold", "density", "hot80", "decode", "hidden", "recall", "precision", "pred. density",
+                "pred. KiB"):
         t.add_column(col, justify="right")
     for i, lp in enumerate(pack.layers):
         s = lp.stats
-        t.add_row(str(i), f"{lp.threshold:.4f}", f"{s['density_true']:.3f}", f"{s['hot80']:.3f}", str(s["hidden"]),
+        t.add_row(str(i), f"{lp.threshold:.4f}", f"{s['density_true']:.3f}", f"{s['hot80']:.3f}", lp.policy, str(s["hidden"]),
                   f"{s['recall']:.4f}", f"{s['precision']:.3f}", f"{s['density_predicted']:.3f}",
                   f"{s['predictor_bytes'] / 1024:.0f}")
     pb, mb = pack.predictor_nbytes, pack.model.get("weight_bytes", 0)
-    t.add_row("all", "", f"{pack.mean_stat('density_true'):.3f}", f"{pack.mean_stat('hot80'):.3f}", "",
+    n_pred = sum(lp.policy == "predictor" for lp in pack.layers)
+    t.add_row("all", "", f"{pack.mean_stat('density_true'):.3f}", f"{pack.mean_stat('hot80'):.3f}",
+              f"{n_pred} pred.", "",
               f"{pack.mean_stat('recall'):.4f}", f"{pack.mean_stat('precision'):.3f}",
               f"{pack.mean_stat('density_predicted'):.3f}", f"{pb / 1024:.0f}", style="bold")
     console.print(t)
