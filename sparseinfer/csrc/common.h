@@ -26,6 +26,14 @@
 #include <stddef.h>
 #include <string.h>
 
+/* x86 SIMD kernels and run-time dispatch; elsewhere (or with -DSI_FORCE_SCALAR, used to test
+ * that build on x86) only the scalar kernels exist. */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(SI_FORCE_SCALAR)
+#define SI_X86 1
+#else
+#define SI_X86 0
+#endif
+
 enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_COUNT = 5 };
 enum { XL_NATURAL = 0, XL_Q4 = 1 };
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_COUNT = 4 };
@@ -73,7 +81,7 @@ typedef struct {
 } kernels_t;
 
 extern const kernels_t si_kernels_scalar;
-#if defined(__x86_64__) || defined(__i386__)
+#if SI_X86
 extern const kernels_t si_kernels_avx2;
 extern const kernels_t si_kernels_avx512;
 extern const kernels_t si_kernels_avx512vnni;

@@ -1,6 +1,7 @@
 /* AVX2 + FMA + F16C kernels (x86-64 CPUs without AVX-512).  Same tile structure and
  * activation layouts as kern_avx512_impl.h, with 256-bit vectors and VPMADDUBSW/VPMADDWD. */
-#if defined(__x86_64__) || defined(__i386__)
+#include "common.h"
+#if SI_X86
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 #include <math.h>
@@ -83,7 +84,21 @@ AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const 
             for (int t = 0; t < T; t++) tail[r][t] += _cvtsh_ss(mp[r][k]) * xq->s[t * xq->d_stride + k];
 }
 
-AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+/* Prefetch (into L2) the next tile's rows: scales now, data one line per line consumed. */
+AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uint8_t **pf) {
+    for (int r = 0; r < R; r++) {
+        pf[r] = w->qs + rn[r] * w->row_bytes;
+        if (w->d) {
+            const char *d = (const char *)(w->d + rn[r] * w->nb), *m = w->m ? (const char *)(w->m + rn[r] * w->nb) : NULL;
+            for (int64_t o = 0; o < w->nb * 2 + 63; o += 64) {
+                _mm_prefetch(d + o, _MM_HINT_T1);
+                if (m) _mm_prefetch(m + o, _MM_HINT_T1);
+            }
+        }
+    }
+}
+
+AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
     const int64_t nb = w->nb, ng = nb >> 2;
     const uint8_t *qp[4];
     const uint16_t *dp[4], *mp[4];
@@ -98,6 +113,8 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
             tail[r][t] = 0.0f;
         }
     }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i ia = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), ib = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t g = 0; g < ng; g++) {
@@ -105,6 +122,7 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
             __m256i lo[4], hi[4];
             __m256 dw[4];
             for (int r = 0; r < R; r++) {
+                if (!h) _mm_prefetch((const char *)(pf[r] + 64 * g), _MM_HINT_T1);
                 __m256i v = _mm256_loadu_si256((const __m256i *)(qp[r] + 64 * g + 32 * h));
                 lo[r] = _mm256_and_si256(v, m4);
                 hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -141,7 +159,7 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
         for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]) + tail[r][t];
 }
 
-AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R, const int T, float res[4][4]) {
+AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
     const int64_t nb = w->nb;
     const uint8_t *qp[4];
     const uint16_t *dp[4], *mp[4];
@@ -156,10 +174,13 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
             tail[r][t] = 0.0f;
         }
     }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
     for (int64_t b = 0; b < nb; b++) {
         __m256i wa[4], ws[4];
         float dw[4];
         for (int r = 0; r < R; r++) {
+            if (!(b & 1)) _mm_prefetch((const char *)(pf[r] + 32 * b), _MM_HINT_T1);
             ws[r] = _mm256_loadu_si256((const __m256i *)(qp[r] + 32 * b));
             wa[r] = _mm256_abs_epi8(ws[r]);
             dw[r] = _cvtsh_ss(dp[r][b]);
@@ -179,8 +200,8 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const xq_t *xq, const int R,
 }
 
 #define TILE_FN(name, tile, R, T) \
-    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const xq_t *xq, float res[4][4]) { \
-        tile(w, rr, xq, R, T, res); }
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
+        tile(w, rr, rn, xq, R, T, res); }
 TILE_FN(q4_4x4, q4_tile, 4, 4)
 TILE_FN(q4_4x1, q4_tile, 4, 1)
 TILE_FN(q4_1x4, q4_tile, 1, 4)
@@ -190,7 +211,7 @@ TILE_FN(q8_4x1, q8_tile, 4, 1)
 TILE_FN(q8_1x4, q8_tile, 1, 4)
 TILE_FN(q8_1x1, q8_tile, 1, 1)
 
-typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const xq_t *, float[4][4]);
+typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
 
 /* Tile rows come from 4 separate quarters of [i0, i1) when there is one token, so no two
  * rows of a tile share a 4 KB page (interleaved short rows defeat the hardware prefetcher). */
@@ -211,10 +232,11 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
         const int R = j < ntiles ? 4 : 1;
-        int64_t pos[4], rr[4];
+        int64_t pos[4], rr[4], rn[4];
         for (int r = 0; r < R; r++) {
             pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
             rr[r] = si_row(rows, pos[r]);
+            rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
         }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : 1;
@@ -226,7 +248,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             sub.s += t * xq->d_stride;
             sub.de += t * xq->de_stride;
             float res[4][4];
-            fn(w, rr, &sub, res);
+            fn(w, rr, t + Tn < T ? rr : rn, &sub, res);
             for (int r = 0; r < R; r++)
                 for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
             t += Tn;
@@ -249,7 +271,7 @@ AI float loadw1(const int fmt, const uint8_t *p, int64_t k) {
     return fmt == FMT_F16 ? _cvtsh_ss(h) : si_bf2f(h);
 }
 
-AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, const int fmt,
+AI void f_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const float *x, int64_t xs, const int fmt,
                const int R, const int T, float res[4][4]) {
     const int64_t K = w->cols;
     const uint8_t *wp[4];
@@ -258,9 +280,14 @@ AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, c
         wp[r] = w->qs + rr[r] * w->row_bytes;
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
     }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
+    const int esz = fmt == FMT_F32 ? 4 : 2;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 wv[4];
+        if (!((k * esz) & 63))
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(pf[r] + k * esz), _MM_HINT_T1);
         for (int r = 0; r < R; r++) wv[r] = loadw(fmt, wp[r], k);
         for (int t = 0; t < T; t++) {
             __m256 xv = _mm256_loadu_ps(x + t * xs + k);
@@ -276,15 +303,15 @@ AI void f_tile(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, c
 }
 
 #define FTILE_FN(name, fmt, R, T) \
-    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const float *x, int64_t xs, float res[4][4]) { \
-        f_tile(w, rr, x, xs, fmt, R, T, res); }
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const float *x, int64_t xs, float res[4][4]) { \
+        f_tile(w, rr, rn, x, xs, fmt, R, T, res); }
 #define FTILE_SET(fn, FMT) \
     FTILE_FN(fn##_4x4, FMT, 4, 4) FTILE_FN(fn##_4x1, FMT, 4, 1) FTILE_FN(fn##_1x4, FMT, 1, 4) FTILE_FN(fn##_1x1, FMT, 1, 1)
 FTILE_SET(f32, FMT_F32)
 FTILE_SET(f16, FMT_F16)
 FTILE_SET(bf16, FMT_BF16)
 
-typedef void (*ftile_fn)(const qmat_t *, const int64_t *, const float *, int64_t, float[4][4]);
+typedef void (*ftile_fn)(const qmat_t *, const int64_t *, const int64_t *, const float *, int64_t, float[4][4]);
 static const ftile_fn FTILES[3][4] = {
     {f32_4x4, f32_4x1, f32_1x4, f32_1x1},
     {f16_4x4, f16_4x1, f16_1x4, f16_1x1},
@@ -297,15 +324,16 @@ static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
         const int R = j < ntiles ? 4 : 1;
-        int64_t pos[4], rr[4];
+        int64_t pos[4], rr[4], rn[4];
         for (int r = 0; r < R; r++) {
             pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
             rr[r] = si_row(rows, pos[r]);
+            rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
         }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : 1;
             float res[4][4];
-            FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, x + t * xstride, xstride, res);
+            FTILES[w->fmt][(R == 4 ? 0 : 2) + (Tn == 4 ? 0 : 1)](w, rr, t + Tn < T ? rr : rn, x + t * xstride, xstride, res);
             for (int r = 0; r < R; r++)
                 for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
             t += Tn;
@@ -324,10 +352,25 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
     float ym[128 + 8];
     const int64_t b0 = c0 / 32, nbc = (c1 - c0 + 31) / 32;
     memset(ym, 0, sizeof ym);
+    /* byte range of this column chunk within a row, for prefetching the row 8 ahead */
+    const int64_t s0 = fmt == FMT_Q4 ? b0 * 16 : fmt == FMT_Q8 ? b0 * 32 : c0 * (fmt == FMT_F32 ? 4 : 2);
+    const int64_t s1 = fmt == FMT_Q4 ? (b0 + nbc) * 16 : fmt == FMT_Q8 ? (b0 + nbc) * 32 : c1 * (fmt == FMT_F32 ? 4 : 2);
     for (int64_t j = 0; j < n; j++) {
         const int64_t row = rows[j];
         const uint8_t *wp = wt->qs + row * wt->row_bytes;
         const float hj = h[j];
+        if (j + 8 < n) {
+            const int64_t rp = rows[j + 8];
+            const char *p = (const char *)(wt->qs + rp * wt->row_bytes);
+            for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+            if (wt->d) {
+                const char *d = (const char *)(wt->d + rp * wt->nb), *m = wt->m ? (const char *)(wt->m + rp * wt->nb) : NULL;
+                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
+                    _mm_prefetch(d + o, _MM_HINT_T1);
+                    if (m) _mm_prefetch(m + o, _MM_HINT_T1);
+                }
+            }
+        }
         const __m256 hv = _mm256_set1_ps(hj);
         if (fmt <= FMT_BF16) {
             int64_t c = c0;

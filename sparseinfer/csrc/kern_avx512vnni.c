@@ -1,5 +1,6 @@
 /* AVX-512 kernels with VNNI (VPDPBUSD); see kern_avx512_impl.h. */
-#if defined(__x86_64__) || defined(__i386__)
+#include "common.h"
+#if SI_X86
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 #define SI_VNNI 1
 #include "kern_avx512_impl.h"

@@ -17,13 +17,13 @@
 /* ------------------------------------------------------------------ kernel selection */
 
 const char *const si_level_names[] = {
-#if defined(__x86_64__) || defined(__i386__)
+#if SI_X86
     "avx512vnni", "avx512", "avx2",
 #endif
     "scalar", NULL};
 
 static const kernels_t *table_of(const char *name) {
-#if defined(__x86_64__) || defined(__i386__)
+#if SI_X86
     if (!strcmp(name, "avx512vnni")) return &si_kernels_avx512vnni;
     if (!strcmp(name, "avx512")) return &si_kernels_avx512;
     if (!strcmp(name, "avx2")) return &si_kernels_avx2;
@@ -33,7 +33,7 @@ static const kernels_t *table_of(const char *name) {
 }
 
 int si_level_supported(const char *name) {
-#if defined(__x86_64__) || defined(__i386__)
+#if SI_X86
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -8,6 +8,7 @@
  * pool busy (another Python thread with the GIL released) runs its job alone. */
 #define _GNU_SOURCE
 #include "pool.h"
+#include "common.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -16,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) || defined(__i386__)
+#if SI_X86
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
 #else
