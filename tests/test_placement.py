@@ -90,6 +90,9 @@ def check_placement(p: Placement, costs: CostModel, budget: int):
     for k, v in expect.items():
         assert p.bytes[k] == v, k
     assert 0.0 <= p.expected_fraction <= 1.0 + 1e-9
+    assert p.read_bytes["gpu"] >= 0 and p.read_bytes["cpu"] >= -1e-6
+    if not p.on_device:
+        assert p.read_bytes["gpu"] == 0
 
 
 # ---------------------------------------------------------------------------- properties
@@ -102,8 +105,11 @@ def test_neuron_placement_respects_budget(problem, group, min_groups):
     if p.on_device:
         assert p.bytes["ffn"] == sum(lc.neuron * k for lc, k in zip(costs.layers, p.n_hot)) + \
             costs.ffn_overhead * sum(1 for k in p.n_hot if k)
+    total = sum(lc.attn + lc.norms + lc.predictor + lc.neuron * float(np.sum(f)) for lc, f in zip(costs.layers, freqs))
+    assert p.read_bytes["gpu"] + p.read_bytes["cpu"] == pytest.approx(total + costs.head)
     if budget >= everything(costs):
         assert p.n_hot == p.n_neurons and all(p.attn_on_device) and p.head_on_device
+        assert p.read_bytes["cpu"] == pytest.approx(0, abs=1e-6 * total + 1e-9)
         assert all(p.predictor_on_device[i] or not lc.predictor for i, lc in enumerate(costs.layers))
         assert p.expected_fraction == pytest.approx(1.0)
     if budget == 0:

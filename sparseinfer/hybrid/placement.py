@@ -33,7 +33,7 @@ from .budget import format_bytes
 
 log = logging.getLogger("sparseinfer.hybrid")
 
-PLACEMENT_VERSION = 1
+PLACEMENT_VERSION = 2
 DEFAULT_GROUP = 64
 ILP_TIME_LIMIT = 10.0
 
@@ -80,6 +80,8 @@ class Placement:
     bytes: dict[str, int]            # device bytes by kind: scratch, attention, kv, norms, predictors, head, ffn
     expected_fraction: float         # activation mass (sum of frequencies) served by the device
     layer_fraction: list[float]
+    read_bytes: dict[str, float] = field(default_factory=dict)  # expected weight bytes read per decoded
+    #                                token by the GPU and by the CPU (KV cache not included)
     mode: str = "neurons"            # "neurons" (hybrid) | "layers" (dense layer offload) | "cpu"
     solver: str = "none"             # "ilp" | "greedy" | "layers" | "none"
     notes: list[str] = field(default_factory=list)
@@ -122,6 +124,8 @@ class Placement:
                  f"{format_bytes(self.budget)}, used {format_bytes(self.bytes_used)}",
                  "  " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.bytes.items() if v),
                  f"  expected fraction of FFN activations served by the device: {self.expected_fraction:.1%}",
+                 f"  expected weight bytes read per token: device {format_bytes(int(self.read_bytes.get('gpu', 0)))}, "
+                 f"CPU {format_bytes(int(self.read_bytes.get('cpu', 0)))}",
                  f"  {'layer':>5} {'attn+kv':>7} {'pred':>4} {'hot neurons':>17} {'served':>7}"]
         for i in range(self.n_layers):
             lines.append(f"  {i:>5} {'gpu' if self.attn_on_device[i] else 'cpu':>7} "
@@ -288,6 +292,14 @@ def plan_placement(costs: CostModel, hot_freqs: Sequence[np.ndarray] | None, bud
                    time_limit: float = ILP_TIME_LIMIT) -> Placement:
     """Hybrid placement. `hot_freqs[l]`: layer l's activation frequencies in hotness order.
     Without frequencies (no sparsity pack) hot neurons cannot be chosen: layer offload instead."""
+    p = _plan_neurons(costs, hot_freqs, budget, device, group_size, min_groups, solver, time_limit)
+    if p.mode != "layers":
+        _reads(p, costs, hot_freqs)
+    return p
+
+
+def _plan_neurons(costs: CostModel, hot_freqs: Sequence[np.ndarray] | None, budget: int, device: str,
+                  group_size: int, min_groups: int, solver: str, time_limit: float) -> Placement:
     if hot_freqs is None:
         p = plan_layer_offload(costs, budget, device)
         p.notes.insert(0, "no activation frequencies (no sparsity pack): dense layer offload instead")
@@ -317,6 +329,12 @@ def plan_placement(costs: CostModel, hot_freqs: Sequence[np.ndarray] | None, bud
 
 def plan_layer_offload(costs: CostModel, budget: int, device: str = "cuda") -> Placement:
     """Dense baseline: whole layers (attention, KV, norms, full FFN) from layer 0, then the head."""
+    p = _plan_layers(costs, budget, device)
+    _reads(p, costs, None)
+    return p
+
+
+def _plan_layers(costs: CostModel, budget: int, device: str) -> Placement:
     p = _empty(costs, budget, device, "layers")
     p.solver = "layers"
     left = budget - costs.scratch
@@ -375,6 +393,26 @@ def _fractions(p: Placement, hot_freqs: Sequence[np.ndarray] | None) -> None:
     total = [float(np.sum(f)) for f in hot_freqs]
     p.layer_fraction = [s / t if t > 0 else 0.0 for s, t in zip(served, total)]
     p.expected_fraction = sum(served) / sum(total) if sum(total) > 0 else 0.0
+
+
+def _reads(p: Placement, costs: CostModel, hot_freqs: Sequence[np.ndarray] | None) -> None:
+    """Expected weight bytes a decode step reads on each side: attention, norms, predictors and
+    the head every token; an FFN neuron with its activation frequency (every token for the
+    dense model of layer offload, which has no predictors)."""
+    gpu = total = 0.0
+    for i, lc in enumerate(costs.layers):
+        if hot_freqs is None:
+            ffn = np.full(lc.n_neurons, lc.dense_ffn / max(lc.n_neurons, 1))
+            pred = 0
+        else:
+            ffn = np.asarray(hot_freqs[i], dtype=np.float64) * lc.neuron
+            pred = lc.predictor
+        total += lc.attn + lc.norms + pred + float(ffn.sum())
+        gpu += (lc.attn + lc.norms if p.attn_on_device[i] else 0) + (pred if p.predictor_on_device[i] else 0)
+        gpu += float(ffn[: p.n_hot[i]].sum())
+    total += costs.head
+    gpu += costs.head if p.head_on_device else 0
+    p.read_bytes = {"gpu": gpu, "cpu": total - gpu}
 
 
 def _finish(p: Placement, budget: int) -> Placement:

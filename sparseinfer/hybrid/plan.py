@@ -26,6 +26,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP, help="neurons per ILP unit")
     p.add_argument("--solver", choices=("ilp", "greedy"), default="ilp")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of the placement here")
+    p.add_argument("--sweep", default=None, metavar="PNG",
+                   help="also plot the GPU's share of activations against the budget (ILP, greedy, layer offload)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the placement as JSON here")
     p.add_argument("--verbose", action="store_true")
     p.set_defaults(func=cmd_plan)
@@ -64,6 +66,13 @@ def cmd_plan(a) -> int:
     if a.plot:
         plot_placement(p, a.plot, title=f"{Path(str(path)).name}, VRAM budget {format_bytes(budget)}")
         print(f"plot: {a.plot}")
+    if a.sweep:
+        from .costs import cost_model
+
+        freqs = stats.hot_frequencies() if stats is not None else None
+        plot_sweep(cost_model(model, ctx, "cuda"), freqs, a.sweep, title=f"{Path(str(path)).name}, context {ctx}",
+                   group_size=a.group_size)
+        print(f"sweep plot: {a.sweep}")
     return 0
 
 
@@ -93,10 +102,11 @@ def plot_placement(p: Placement, path: str | Path, title: str = "") -> Path:
     on = [i for i in range(n) if p.attn_on_device[i]]
     ax.scatter(on, [1.04] * len(on), marker="s", s=12, color="#55a868", label="attention + KV on GPU")
     ax.set_xlim(-0.7, n - 0.3)
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, 1.32)
+    ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax.set_xlabel("layer")
     ax.set_ylabel("fraction")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, 1.0), frameon=False)
     ax.set_title(f"{title}\n{p.mode} placement ({p.solver}): {p.expected_fraction:.1%} of FFN activations "
                  f"on the GPU, head on {'GPU' if p.head_on_device else 'CPU'}", fontsize=10)
     left = 0
@@ -112,6 +122,48 @@ def plot_placement(p: Placement, path: str | Path, title: str = "") -> Path:
     bx.set_xlabel("GiB")
     bx.set_xlim(0, max(p.budget, p.bytes_used, 1) / gib * 1.05)
     bx.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(costs, freqs, path: str | Path, title: str = "", group_size: int = DEFAULT_GROUP,
+               points: int = 24) -> Path:
+    """Against the budget: the weight bytes the CPU still reads per token (what bounds decode
+    speed while the CPU is the slower side) and the share of FFN activations on the GPU, for hot
+    neurons by ILP and by greedy (with a pack) and for whole-layer offload of the dense model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .placement import plan_layer_offload, plan_placement
+
+    full = costs.scratch + costs.head + sum(lc.core + lc.predictor + lc.neuron * lc.n_neurons + costs.ffn_overhead
+                                            for lc in costs.layers)
+    budgets = np.linspace(costs.scratch, full * 1.02, points).astype(int)
+    plans = {"layer offload (dense, -ngl)": [plan_layer_offload(costs, int(b)) for b in budgets]}
+    if freqs is not None:
+        for solver in ("ilp", "greedy"):
+            plans[f"hot neurons ({solver})"] = [plan_placement(costs, freqs, int(b), group_size=group_size,
+                                                               solver=solver) for b in budgets]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(6.5, 6), sharex=True, constrained_layout=True)
+    mib = budgets / (1 << 20)
+    for (name, ps), style in zip(plans.items(), ("-", "-", "--")):
+        ax.plot(mib, [p.read_bytes["cpu"] / (1 << 20) for p in ps], style, label=name)
+        bx.plot(mib, [p.expected_fraction for p in ps], style, label=name)
+    for a in (ax, bx):
+        a.axvline(costs.scratch / (1 << 20), color="#999999", linewidth=0.8)
+    ax.set_ylabel("weight MiB the CPU reads per token")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    bx.set_ylabel("FFN activations on the GPU")
+    bx.set_ylim(0, 1.02)
+    bx.set_xlabel("VRAM budget (MiB); grey line: scratch, reserved first")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
