@@ -152,10 +152,11 @@ static void run(si_task_fn fn, void *ctx, int64_t nchunks, int64_t bytes) {
     }
 }
 
-/* Rows per chunk: a multiple of 4, about 4 chunks per thread, >= ~16 KB of weights. */
+/* Rows per chunk: a multiple of 4, about 8 chunks per thread (a thread descheduled by a
+ * busy machine holds up little work), >= ~32 KB of weights. */
 static int64_t row_chunk(int64_t n, int64_t row_bytes) {
-    int64_t c = (n + 4 * nthreads() - 1) / (4 * nthreads());
-    int64_t minr = (16384 + row_bytes - 1) / (row_bytes ? row_bytes : 1);
+    int64_t c = (n + 8 * nthreads() - 1) / (8 * nthreads());
+    int64_t minr = (32768 + row_bytes - 1) / (row_bytes ? row_bytes : 1);
     if (c < minr) c = minr;
     return up(c < 4 ? 4 : c, 4);
 }

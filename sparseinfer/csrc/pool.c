@@ -209,6 +209,14 @@ void si_pool_run(si_task_fn fn, void *ctx, int64_t n) {
         pthread_mutex_unlock(&P.mu);
     }
     work(gen, fn, ctx, n);
-    while (atomic_load_explicit(&P.completed, memory_order_acquire) < n) CPU_RELAX();
+    /* wait for chunks still running elsewhere; yield so that a worker waiting for this core
+     * (the machine may be oversubscribed) can finish them */
+    for (int spins = 0; atomic_load_explicit(&P.completed, memory_order_acquire) < n;) {
+        CPU_RELAX();
+        if (++spins == 64) {
+            spins = 0;
+            sched_yield();
+        }
+    }
     pthread_mutex_unlock(&P.busy);
 }
