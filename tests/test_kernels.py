@@ -319,6 +319,14 @@ def test_bad_inputs_raise_value_error():
             pytest.fail(f"case {i} did not raise")
 
 
+def test_empty_hugepages():
+    t = cpu.empty_hugepages((3, 1 << 20), torch.int8)
+    assert t.shape == (3, 1 << 20) and t.dtype == torch.int8
+    t.fill_(1)
+    assert int(t.sum()) == 3 << 20
+    assert cpu.empty_hugepages((0,)).numel() == 0
+
+
 def test_fallback_without_extension(monkeypatch):
     monkeypatch.setattr(cpu, "_cpu", None)
     monkeypatch.setattr(cpu, "_IMPORT_ERROR", ImportError("simulated"), raising=False)

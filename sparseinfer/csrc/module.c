@@ -185,6 +185,21 @@ static PyObject *py_read_seconds(PyObject *self, PyObject *const *a, Py_ssize_t 
     return PyFloat_FromDouble(sec);
 }
 
+/* read_rows_seconds(ptr, row_bytes, idx, n, reps) -> seconds (rows must be in range) */
+static PyObject *py_read_rows_seconds(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p, *idx;
+    int64_t row_bytes, n, reps;
+    double sec;
+    if (!nargs_ok(na, 5, "read_rows_seconds") || get_ptr(a[0], &p) || get_i64(a[1], &row_bytes) ||
+        get_ptr(a[2], &idx) || get_i64(a[3], &n) || get_i64(a[4], &reps))
+        return NULL;
+    if (!p || !idx || row_bytes <= 0 || n <= 0 || reps <= 0) return PyErr_Format(PyExc_ValueError, "bad read_rows_seconds arguments");
+    Py_BEGIN_ALLOW_THREADS
+    sec = si_read_rows_seconds(p, row_bytes, idx, n, (int)reps);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(sec);
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     long v = PyLong_AsLong(arg);
     if (v == -1 && PyErr_Occurred()) return NULL;
@@ -258,6 +273,7 @@ static PyMethodDef methods[] = {
     {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*6, up*6, down_t*6, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
+    {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
