@@ -209,6 +209,28 @@ class Bench:
         self.add("numba_q4_gemv", "q4", d_ff, d_model, 1.0, t, w.nbytes)
         log(f"  numba q4 gemv: {t * 1e3:.3f} ms ({w.nbytes / t / 1e9:.1f} GB/s)")
 
+    # -------------------------------------------------------------------------- gemm
+    def gemm(self, d_ff, d_model, ms=(16, 128, 512)):
+        """Prefill: matmul (M tokens) GOPS, against torch mm on weights dequantized in advance."""
+        torch.set_num_threads(self.threads)
+        w32 = torch.randn(d_ff, d_model) * 0.02
+        for m in ms:
+            x = torch.randn(m, d_model)
+            ops = 2 * m * d_ff * d_model
+            for fmt in self.args.formats:
+                w = from_float(w32, fmt)
+                cpu.matmul(w, x)
+                t = best_time(lambda: cpu.matmul(w, x), 3)
+                self.add("matmul", fmt, d_ff, d_model, 1.0, t, w.nbytes, tokens=m, gops=ops / t / 1e9)
+            wd = w32.clone()
+            t = best_time(lambda: x @ wd.T, 3)
+            self.add("torch_mm_f32", "f32", d_ff, d_model, 1.0, t, wd.numel() * 4, tokens=m, gops=ops / t / 1e9)
+            wb, xb = w32.bfloat16(), x.bfloat16()
+            t = best_time(lambda: xb @ wb.T, 3)
+            self.add("torch_mm_bf16", "bf16", d_ff, d_model, 1.0, t, wb.numel() * 2, tokens=m, gops=ops / t / 1e9)
+            row = [f"{r['format']} {r['gops']:.0f}" for r in self.records if r.get("tokens") == m and r["rows"] == d_ff]
+            log(f"  matmul M={m} {d_ff}x{d_model} GOPS: " + ", ".join(row))
+
     def overhead(self):
         w = from_float(torch.randn(4, 64), "q4")
         x, y = torch.randn(64), torch.empty(4)
@@ -319,6 +341,25 @@ def write_markdown(path, b: Bench, meta):
                 if rs:
                     lines.append(f"| {shape[0]}x{shape[1]} | {fmt} | {k} | "
                                  + " | ".join(f"{rs[f]['gbps']:.1f}" if f in rs else "" for f in FRACTIONS) + " |")
+    gm = [r for r in R if "tokens" in r]
+    if gm:
+        toks = sorted({r["tokens"] for r in gm})
+        names = []
+        for r in gm:
+            key = (r["kernel"], r["format"])
+            if key not in names:
+                names.append(key)
+        lines += ["", f"## Prefill matmul ({gm[0]['rows']}x{gm[0]['cols']}, GOPS = 2*M*N*K / time)", "",
+                  "Ours on the stored format (integer formats: activations to int8 per 32, VNNI dot products); "
+                  "torch on weights dequantized beforehand (bf16: activations rounded to bf16).", "",
+                  "| kernel | format | " + " | ".join(f"M={m}" for m in toks) + " |",
+                  "|---|---|" + "---:|" * len(toks)]
+        for k, f in names:
+            cells = []
+            for m in toks:
+                r = [x for x in gm if x["kernel"] == k and x["format"] == f and x["tokens"] == m]
+                cells.append(f"{r[0]['gops']:.0f}" if r else "")
+            lines.append(f"| {k} | {f} | " + " | ".join(cells) + " |")
     ext = [r for r in R if r["kernel"] in ("torch_linear", "torch_index_select_linear", "numba_q4_gemv",
                                            "call_overhead_gemv_4x64")]
     if ext:
@@ -378,6 +419,7 @@ def main(argv=None):
     ap.add_argument("--working-set", type=float, default=1.5e9, help="bytes of weight copies per measurement")
     ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
     ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the prefill matmul section")
     args = ap.parse_args(argv)
     args.formats = args.formats.split(",")
     models = args.models.split(",")
@@ -408,6 +450,8 @@ def main(argv=None):
             b.sparse(fmt, d_ff, d_model, t[(d_ff, d_model)], t[(d_model, d_ff)])
         if not args.no_extras:
             b.extras(d_ff, d_model)
+        if name == models[0] and not args.no_gemm:
+            b.gemm(d_ff, d_model)
     b.overhead()
     meta["load1"] = os.getloadavg()[0]
     if args.json:
