@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu
+from ..models.layers import kernel_act_name
 from ..quant import QWeight
 from ..sparse.ffn import MODES, DecodeStats, SparseFFN
 from . import device_ops as dev
@@ -138,13 +139,10 @@ class HybridFFN(nn.Module):
         self.n_neurons = self.n_hot + (0 if cold is None else cold.n)
         self.out_device = self.accel if hot is not None else torch.device("cpu")
         self.down_bias = None if down_bias is None else down_bias.float().to(self.out_device)
-        from ..models.layers import kernel_act_name
-
         self.kernel_act = kernel_act_name(act_name)
         self._fused = (self.threshold == 0.0 and act_name != "drelu" and self.kernel_act in
                        ("silu", "relu", "gelu", "gelu_tanh") and (cold is None or (cold.gate_bias is None
                                                                                    and cold.up_bias is None)))
-        self._all_cold = None if cold is None else torch.arange(cold.n, dtype=torch.int32)
         self.stats = DecodeStats()
         some = hot if hot is not None else cold
         self._n_mats = 2 if some.gate is None else 3
