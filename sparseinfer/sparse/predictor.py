@@ -193,11 +193,11 @@ def _train_loop(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd:
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
     loss_fn = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(cfg.pos_weight))
-    ids = data.train
+    xs = ((data.inputs(data.train) - mu) / sd).clone()  # standardized once: (N_train, d) f32
+    ys = data.targets(data.train).clone()                 # unpacked once: (N_train, n) bool
     for _ in range(cfg.steps):
-        b = ids[torch.randint(len(ids), (min(cfg.batch, len(ids)),), generator=g)]
-        xb = ((data.inputs(b) - mu) / sd).clone()
-        loss = loss_fn(net(xb), data.targets(b).float().clone())
+        b = torch.randint(len(xs), (min(cfg.batch, len(xs)),), generator=g)
+        loss = loss_fn(net(xs[b]), ys[b].float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
