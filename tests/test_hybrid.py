@@ -153,19 +153,22 @@ def test_hybrid_equals_cpu_sparse_equals_dense_all_neurons(kind, folders, tokens
         torch.testing.assert_close(run(hm, tokens), dense, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind, threshold", [("llama", 0.0), ("llama", 0.05), ("llama-relu", 0.0), ("opt", 0.0),
-                                             ("falcon", 0.02)])
-def test_hybrid_equals_cpu_sparse_with_predictor(kind, threshold, folders, tokens):
+@pytest.mark.parametrize("kind, threshold, predictor", [
+    ("llama", 0.0, "random"), ("llama", 0.05, "random"), ("llama-relu", 0.0, "random"), ("opt", 0.0, "random"),
+    ("falcon", 0.02, "random"),
+    ("llama", 0.05, None),  # the pack's "first" policy: dense first projection, threshold picks the rows
+])
+def test_hybrid_equals_cpu_sparse_with_predictor(kind, threshold, predictor, folders, tokens):
     """A real (random) predictor and threshold: the hybrid split computes the CPU-only sparse
     model exactly, predictors on the CPU or on the device, at every budget."""
     path = folders(kind)
     m = build(path)
-    sparsify(m, threshold, "random")
+    sparsify(m, threshold, predictor)
     want = run(m, tokens)
     splits = []
     for frac in (0.3, 0.55, 0.8, 1.0):
         m = build(path)
-        stats = sparsify(m, threshold, "random")
+        stats = sparsify(m, threshold, predictor)
         hm, p = place_model(m, "cpu", budget_at(m, frac), CTX, stats, group_size=16, use_cache=False)
         torch.testing.assert_close(run(hm, tokens), want, atol=1e-4, rtol=1e-4)
         splits += [f.split for f in hm.modules() if isinstance(f, HybridFFN)]

@@ -143,6 +143,7 @@ class HybridFFN(nn.Module):
         self._fused = (self.threshold == 0.0 and act_name != "drelu" and self.kernel_act in
                        ("silu", "relu", "gelu", "gelu_tanh") and (cold is None or (cold.gate_bias is None
                                                                                    and cold.up_bias is None)))
+        self._cold_ids = None if cold is None else torch.arange(cold.n, dtype=torch.int32)
         self.stats = DecodeStats()
         some = hot if hot is not None else cold
         self._n_mats = 2 if some.gate is None else 3
@@ -179,7 +180,7 @@ class HybridFFN(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         single = x.dim() < 2 or x.shape[-2] == 1
-        if x2.shape[0] == 1 and self._mode == "predict" and self.predictor is not None:
+        if x2.shape[0] == 1 and self._mode == "predict":
             y = self._decode(x2[0])[None]
         else:
             per_token = self.predictor is not None and (self._mode == "faithful" or (self._mode == "predict" and single))
@@ -188,17 +189,25 @@ class HybridFFN(nn.Module):
 
     # ------------------------------------------------------------------ one token: predicted rows
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        """One token.  Without a predictor (the pack's "first" policy, or every neuron kept) the
+        first projection runs dense on each side and the threshold picks the rows, as in
+        `SparseFFN`; ids None below stands for that."""
+        hot_ids = cold_ids = None
         t0 = time.perf_counter()
-        hot_ids, cold_ids = self._predict(x)
-        self._count(hot_ids.numel() + cold_ids.numel(), time.perf_counter() - t0)
+        if self.predictor is not None:
+            hot_ids, cold_ids = self._predict(x)
+        n_hot = self.n_hot if hot_ids is None else int(hot_ids.numel())
+        n_cold = self.n_neurons - self.n_hot if cold_ids is None else int(cold_ids.numel())
+        self._count(n_hot + n_cold, time.perf_counter() - t0)
         cold = None
         if self.cold is not None:
-            self.split["cold_rows"] += int(cold_ids.numel())
+            self.split["cold_rows"] += n_cold
             cold = self._run_cold(self._cold_rows, x.to("cpu").contiguous(), cold_ids)
         hot = None
         if self.hot is not None:
-            self.split["hot_rows"] += int(hot_ids.numel())
-            hot = self._hot_rows(x.to(self.accel), hot_ids)
+            self.split["hot_rows"] += n_hot
+            xa = x.to(self.accel)
+            hot = self._part_dense(self.hot, xa[None], None, True)[0] if hot_ids is None else self._hot_rows(xa, hot_ids)
         return self._sum(hot, cold)
 
     def _count(self, n_rows: int, predictor_seconds: float) -> None:
@@ -248,17 +257,24 @@ class HybridFFN(nn.Module):
             u = F.relu(u)
         return a * u * keep
 
-    def _cold_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _cold_rows(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Rows `rows` of the cold part for one token on the CPU (worker thread): the fused
-        kernel when no cut is needed, else staged like `SparseFFN._staged`."""
+        kernel when no cut is needed, else staged like `SparseFFN._staged` (rows None: the
+        first projection over every cold row, then the threshold)."""
         c = self.cold
-        if rows.numel() == 0:
-            return torch.zeros(c.down_t.cols)
-        if self._fused:
-            return cpu.sparse_ffn(x, c.gate, c.up, c.down_t, rows, self.kernel_act)
-        pre = cpu.gemv_rows(c.first, x, rows)
-        if c.first_bias is not None:
-            pre = pre + c.first_bias[rows]
+        if rows is None:
+            pre = cpu.gemv(c.first, x)
+            if c.first_bias is not None:
+                pre = pre + c.first_bias
+            rows = self._cold_ids
+        else:
+            if rows.numel() == 0:
+                return torch.zeros(c.down_t.cols)
+            if self._fused:
+                return cpu.sparse_ffn(x, c.gate, c.up, c.down_t, rows, self.kernel_act)
+            pre = cpu.gemv_rows(c.first, x, rows)
+            if c.first_bias is not None:
+                pre = pre + c.first_bias[rows]
         a = self.act(pre)
         keep = a.abs() > self.threshold
         kept = rows[keep]
