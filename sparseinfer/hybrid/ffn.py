@@ -166,6 +166,15 @@ class HybridFFN(nn.Module):
             pred = DevicePredictor(pred, accel)
         return cls(hot, cold, ffn.act, ffn.act_name, accel, home, ffn.threshold, ffn.down.bias, pred, ffn.mode, worker)
 
+    # `SparseFFN`-compatible attributes for the sparse package's helpers (stats, modes)
+    density = None
+
+    @property
+    def gate(self) -> QWeight | None:
+        """A gate part (None for plain FFNs): tells gated from plain, as on `SparseFFN`."""
+        some = self.hot if self.hot is not None else self.cold
+        return some.gate
+
     @property
     def mode(self) -> str:
         return self._mode
