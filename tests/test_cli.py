@@ -13,7 +13,7 @@ def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "sparseinfer.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("content,needle", [(b"NOTGGUF" * 10, "not a GGUF file"), (b"GGUF\x03\x00\x00\x00", "damaged")])
+@pytest.mark.parametrize("content,needle", [(b"NOTGGUF" * 10, "not a GGUF file"), (b"GGUF\x03\x00\x00\x00", "truncated GGUF header")])
 def test_bad_model_file(tmp_path, content, needle):
     p = tmp_path / "bad.gguf"
     p.write_bytes(content)

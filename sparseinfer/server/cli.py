@@ -24,6 +24,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together, round-robin, each with its own KV cache (default: 1)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (default: 64)")
     p.add_argument("--alias", default=None, help="model id to report (default: the model file's name)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda[:N]: where hot neurons and attention run")
+    p.add_argument("--vram-budget", default=None, metavar="SIZE",
+                   help="accelerator memory to use, e.g. 4GiB, 512MiB, or a number of GiB (default: free memory minus a margin)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--dense", action="store_true", help="ignore the sparsity pack next to the model")
+    g.add_argument("--sparse", default=None, metavar="PACK", help="use this sparsity pack (default: MODEL.sparse if present)")
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug logs")
 
 
@@ -49,7 +55,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.parallel < 1:
         raise SparseInferError(f"--parallel must be >= 1 (got {args.parallel})")
     t0 = time.perf_counter()
-    llm = load(args.model, ctx_size=args.ctx_size, threads=args.threads)
+    llm = load(args.model, ctx_size=args.ctx_size, threads=args.threads, device=args.device,
+               vram_budget=args.vram_budget, n_seq=args.parallel, dense=args.dense, sparse=args.sparse or "auto")
     settings = Settings.for_model(llm, args.model, args.alias, args.api_key)
     print(f"loaded {settings.model_id} ({llm.info.path}) in {time.perf_counter() - t0:.1f}s; "
           f"{args.parallel} slot(s) x {llm.ctx_size} tokens", file=sys.stderr)
