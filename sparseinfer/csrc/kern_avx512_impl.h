@@ -251,8 +251,7 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             idx = _mm512_add_epi32(idx, four);
         }
     }
-    float tmp[4][4];
-    __m512 acc2[4][4];
+    __m512 acc2[4][4]; /* mterm() takes the [row][token] shape */
     for (int r = 0; r < R; r++) acc2[r][0] = acc[r];
     const __m128i m4x = _mm_set1_epi8(0x0F);
     for (int64_t b = 4 * ng; b < nb; b++) {
@@ -266,8 +265,7 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
         }
     }
     if (w->m) mterm(w, mp, xq, R, 1, acc2);
-    for (int r = 0; r < R; r++) tmp[r][0] = _mm512_reduce_add_ps(acc2[r][0]);
-    for (int r = 0; r < R; r++) res[r][0] = tmp[r][0];
+    for (int r = 0; r < R; r++) res[r][0] = _mm512_reduce_add_ps(acc2[r][0]);
 }
 
 AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, float res[4][4]) {
