@@ -284,6 +284,56 @@ def test_bit_identical_across_runs_and_threads(threads):
             assert torch.equal(a, b)
 
 
+def test_concurrent_python_threads(threads):
+    """Calls from several Python threads at once (the GIL is released) give the same results."""
+    import threading
+
+    threads(2)
+    w, wt = make_weight("q4", 512, 1000, seed=1), make_weight("q8", 512, 1000, seed=2)
+    x, rows = rand(1000), torch.arange(0, 512, 2, dtype=torch.int32)
+    want = (cpu.gemv(w, x), cpu.sparse_ffn(x, w, w, wt, rows, "gelu"))
+    bad = []
+
+    def worker():
+        for _ in range(30):
+            got = (cpu.gemv(w, x), cpu.sparse_ffn(x, w, w, wt, rows, "gelu"))
+            if not all(torch.equal(a, b) for a, b in zip(got, want)):
+                bad.append(1)
+
+    ts = [threading.Thread(target=worker) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad
+
+
+def test_works_after_fork(threads):
+    import multiprocessing as mp
+
+    threads(2)
+    w, x = make_weight("q4", 256, 512), rand(512)
+    want = cpu.gemv(w, x)  # the pool is running before the fork
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply(_gemv_in_child, (w, x))
+    assert torch.equal(got, want)
+
+
+def test_pickled_weight_gets_fresh_pointers():
+    import pickle
+
+    w, x = make_weight("q8m", 64, 96), rand(96)
+    want = cpu.gemv(w, x)  # caches the descriptor on w
+    w2 = pickle.loads(pickle.dumps(w))
+    del w
+    assert torch.equal(cpu.gemv(w2, x), want)
+
+
+def _gemv_in_child(w, x):
+    return cpu.gemv(w, x)
+
+
 # ------------------------------------------------------------------------- validation
 
 def test_bad_inputs_raise_value_error():

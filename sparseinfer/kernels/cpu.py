@@ -57,7 +57,9 @@ def _fallback() -> bool:
 def _desc(w: QWeight) -> tuple:
     """(fmt, rows, cols, qs_ptr, d_ptr, m_ptr), cached on the QWeight after checking it once."""
     cache = w.__dict__.get("_cpu_desc")
-    if cache is not None and cache[0] is w.qs and cache[1] is w.d and cache[2] is w.m:
+    # the data pointer check also catches copies made by pickling (which copy this cache)
+    if cache is not None and cache[0] is w.qs and cache[1] is w.d and cache[2] is w.m \
+            and cache[3][3] == w.qs.data_ptr():
         return cache[3]
     if not isinstance(w, QWeight):
         raise ValueError(f"expected a QWeight, got {type(w).__name__}")
