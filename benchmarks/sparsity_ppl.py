@@ -54,9 +54,11 @@ def run(a) -> list[dict]:
     mlps = replace_ffns(llm.model, lambda i, m: SparseFFN(m, mode="threshold"))
     if a.sparsities:
         samples = threshold_samples(llm)
-        for s in (float(x) for x in a.sparsities.split(",")):
-            cal.set_thresholds(sparse_ffns(llm.model), cal.thresholds_at(samples, s))
-            out.append({**base, "kind": "thresholds", "sparsity": s, "ppl_dense": dense, "ppl_threshold": ppl(f"s={s}")})
+        for alloc in a.allocations.split(","):
+            for s in (float(x) for x in a.sparsities.split(",")):
+                cal.set_thresholds(sparse_ffns(llm.model), cal.thresholds_for(samples, s, alloc))
+                out.append({**base, "kind": "thresholds", "allocation": alloc, "sparsity": s, "ppl_dense": dense,
+                            "ppl_threshold": ppl(f"{alloc} s={s}")})
     restore(llm.model, mlps)
     for path in filter(None, (a.packs or "").split(",")):
         pack = SparsityPack.load(path)
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--sparsities", default="0.3,0.5,0.7")
+    ap.add_argument("--allocations", default="uniform", help="uniform and/or error (comma-separated)")
     ap.add_argument("--packs", default=None, help="comma-separated sparsity packs to score (thresholds, + predictors)")
     ap.add_argument("--json", default=None, help="append records to this JSON-lines file")
     ap.add_argument("--plot", default=None, help="draw the curves of --json into this PNG")

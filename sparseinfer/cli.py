@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-sparsity", type=float, default=None, metavar="S", help="gated FFNs: zero this fraction of neurons")
     g.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
                    help="gated FFNs: largest sparsity within (1+P) x dense perplexity on a held-out slice (default 0.03)")
+    p.add_argument("--allocation", choices=("uniform", "error"), default="uniform",
+                   help="per-layer sparsity: the same fraction everywhere (default) or an equal output-error share")
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (default 8192)")
     p.add_argument("--recall", type=float, default=0.99, help="predictor recall target (default 0.99)")
     p.add_argument("--steps", type=int, default=400, help="training steps per predictor size")

@@ -136,12 +136,14 @@ class Recorder:
         self.xs: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.ys: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.samples: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.weights: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.colnorms = [f.down_column_norms() for f in ffns] if sample_per_call else None
         self.record, self.sample_per_call = record, sample_per_call
         self.gen = torch.Generator().manual_seed(seed)
         for f in ffns:
             f.observer = self
 
-    def __call__(self, ffn, x2: torch.Tensor, a: torch.Tensor, mask: torch.Tensor) -> None:
+    def __call__(self, ffn, x2: torch.Tensor, a: torch.Tensor, h: torch.Tensor, mask: torch.Tensor) -> None:
         i = self.index[id(ffn)]
         self.counts[i] += mask.sum(0)
         self.tokens[i] += mask.shape[0]
@@ -149,9 +151,11 @@ class Recorder:
             self.xs[i].append(x2.half())
             self.ys[i].append(pack_bits(mask))
         if self.sample_per_call:
-            flat = a.abs().reshape(-1)
-            k = min(self.sample_per_call, flat.numel())
-            self.samples[i].append(flat[torch.randint(flat.numel(), (k,), generator=self.gen)])
+            k = min(self.sample_per_call, a.numel())
+            idx = torch.randint(a.numel(), (k,), generator=self.gen)
+            self.samples[i].append(a.abs().reshape(-1)[idx])
+            # the squared output change dropping each sample would cause (columns ~orthogonal)
+            self.weights[i].append(h.reshape(-1)[idx].pow(2) * self.colnorms[i][idx % a.shape[-1]])
 
     def detach(self, ffns) -> None:
         for f in ffns:
@@ -160,19 +164,72 @@ class Recorder:
     def frequencies(self) -> list[torch.Tensor]:
         return [c.double().div(max(t, 1)).float() for c, t in zip(self.counts, self.tokens)]
 
-    def sorted_samples(self) -> list[torch.Tensor]:
-        return [torch.cat(s).sort().values for s in self.samples]
+    def sorted_samples(self) -> list["ScoreSamples"]:
+        out = []
+        for s, w in zip(self.samples, self.weights):
+            s, w = torch.cat(s), torch.cat(w).double()
+            srt = s.sort()
+            cw = w[srt.indices].cumsum(0)
+            out.append(ScoreSamples(srt.values, (cw / cw[-1].clamp_min(1e-30)).float()))
+        return out
 
 
-def thresholds_at(samples: list[torch.Tensor], sparsity: float) -> list[float]:
-    """Per-layer |a| threshold dropping a fraction `sparsity` of (token, neuron) pairs."""
-    out = []
-    for s in samples:
-        if sparsity <= 0:
-            out.append(0.0)
+@dataclass
+class ScoreSamples:
+    """One layer's sampled |a| (ascending) and, per sample, the share of the FFN output energy
+    dropped by a threshold just above it (a proxy: sum of h_i^2 ||down_i||^2 below it)."""
+
+    scores: torch.Tensor
+    error: torch.Tensor
+
+    def threshold_for_sparsity(self, s: float) -> float:
+        if s <= 0:
+            return 0.0
+        return float(self.scores[min(int(s * (len(self.scores) - 1)), len(self.scores) - 1)])
+
+    def threshold_for_error(self, err: float) -> float:
+        k = int(torch.searchsorted(self.error, torch.tensor(err, dtype=self.error.dtype)))
+        return 0.0 if k == 0 else float(self.scores[k - 1])
+
+    def sparsity_at(self, t: float) -> float:
+        return int(torch.searchsorted(self.scores, torch.tensor(t, dtype=self.scores.dtype), right=True)) / len(self.scores)
+
+
+ALLOCATIONS = ("uniform", "error")
+
+
+def thresholds_at(samples: list[ScoreSamples], level: float, allocation: str = "uniform") -> list[float]:
+    """Per-layer |a| thresholds.  uniform: each layer drops a fraction `level` of its (token,
+    neuron) pairs; error: each layer drops the same share `level` of its output energy."""
+    if allocation == "uniform":
+        return [s.threshold_for_sparsity(level) for s in samples]
+    if allocation == "error":
+        return [s.threshold_for_error(level) for s in samples]
+    raise ValueError(f"unknown allocation {allocation!r}; expected one of {ALLOCATIONS}")
+
+
+def thresholds_for(samples: list[ScoreSamples], sparsity: float, allocation: str = "uniform") -> list[float]:
+    """Per-layer thresholds zeroing a mean fraction `sparsity` of neurons, allocated uniformly
+    or by equal output-error share (sensitive layers keep more neurons)."""
+    if allocation == "error" and sparsity > 0:
+        return thresholds_at(samples, error_level_for_sparsity(samples, sparsity), "error")
+    return thresholds_at(samples, sparsity, "uniform")
+
+
+def mean_sparsity(samples: list[ScoreSamples], thresholds: list[float]) -> float:
+    return sum(s.sparsity_at(t) for s, t in zip(samples, thresholds)) / len(samples)
+
+
+def error_level_for_sparsity(samples: list[ScoreSamples], sparsity: float, iters: int = 40) -> float:
+    """The equal-error level whose thresholds zero a mean fraction `sparsity` (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if mean_sparsity(samples, thresholds_at(samples, mid, "error")) < sparsity:
+            lo = mid
         else:
-            out.append(float(s[min(int(sparsity * (len(s) - 1)), len(s) - 1)]))
-    return out
+            hi = mid
+    return hi
 
 
 def set_thresholds(ffns, thresholds: list[float]) -> None:
@@ -189,8 +246,9 @@ class SearchResult:
 
 
 def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase: float,
-                    hi: float = 0.95, steps: int = 6, progress: bool = True) -> SearchResult:
-    """Largest uniform sparsity whose thresholded perplexity on `eval_seqs` is within
+                    hi: float = 0.95, steps: int = 6, progress: bool = True,
+                    allocation: str = "uniform") -> SearchResult:
+    """Largest mean sparsity whose thresholded perplexity on `eval_seqs` is within
     (1 + max_increase) x dense, by bisection (perplexity grows with sparsity)."""
     set_thresholds(ffns, [0.0] * len(ffns))
     dense = math.exp(eval_nll(model, eval_seqs))
@@ -199,7 +257,7 @@ def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase:
     bar = tqdm(total=steps + 1, desc="sparsity search", disable=not progress)
 
     def ppl_at(s: float) -> float:
-        set_thresholds(ffns, thresholds_at(samples, s))
+        set_thresholds(ffns, thresholds_for(samples, s, allocation))
         p = math.exp(eval_nll(model, eval_seqs))
         history.append({"sparsity": s, "ppl": p})
         bar.update(1)
@@ -236,7 +294,7 @@ class RecallMeter:
         for f in ffns:
             f.observer = self
 
-    def __call__(self, ffn, x2, a, mask) -> None:
+    def __call__(self, ffn, x2, a, h, mask) -> None:
         i = self.index[id(ffn)]
         if self.predictors[i] is None:
             return

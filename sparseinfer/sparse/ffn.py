@@ -92,7 +92,7 @@ class SparseFFN(nn.Module):
         self.predictor = predictor
         self.density = density
         self.mode = mode
-        self.observer = None  # calibration hook: observer(ffn, x2, a, mask)
+        self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
         self.stats = DecodeStats()
         self._all_rows = torch.arange(n, dtype=torch.int32)
 
@@ -121,6 +121,10 @@ class SparseFFN(nn.Module):
         if self._down_t is None:
             self._down_t = transpose_neuron_major(self.down.weight, self.order)
         return self._down_t
+
+    def down_column_norms(self) -> torch.Tensor:
+        """||down[:, i]||^2 per neuron (hotness order): how much a unit of h_i moves the output."""
+        return self.down.weight.dequantize().pow(2).sum(0).index_select(0, self.order)
 
     @property
     def first(self) -> QWeight:
@@ -169,7 +173,7 @@ class SparseFFN(nn.Module):
         a, h = self.hidden(x2)
         mask = self.mask(x2, a, h, per_token_predictor)
         if self.observer is not None:
-            self.observer(self, x2, a, mask)
+            self.observer(self, x2, a, h, mask)
         h = h * mask
         if self.permuted:
             h = h.index_select(1, self.inverse)

@@ -35,6 +35,7 @@ class PrepareOptions:
     data: str | None = None                 # calibration text (default: the ../shared/data mix)
     target_sparsity: float | None = None    # gated models: fixed per-layer sparsity
     max_ppl_increase: float | None = None   # gated models: search the sparsity (default 0.03)
+    allocation: str = "uniform"             # per-layer sparsity: "uniform" or "error" (equal output-error share)
     tokens: int = 8192
     seq_len: int = 256
     batch: int = 8
@@ -142,15 +143,17 @@ def _calibrate_thresholds(model, ffns, cs: cal.CalibrationSet, opts: PrepareOpti
     rec.detach(ffns)
     samples = rec.sorted_samples()
     info = {"threshold_calibration_tokens": int(n_seq * cs.seqs.shape[1])}
+    info["allocation"] = opts.allocation
     if opts.target_sparsity is not None:
         s = opts.target_sparsity
         info["target_sparsity"] = s
     else:
         budget = 0.03 if opts.max_ppl_increase is None else opts.max_ppl_increase
-        res = cal.search_sparsity(model, ffns, samples, cs.eval, budget, progress=opts.progress)
+        res = cal.search_sparsity(model, ffns, samples, cs.eval, budget, progress=opts.progress,
+                                  allocation=opts.allocation)
         s = res.sparsity
         info.update({"max_ppl_increase": budget, "target_sparsity": s, "search": res.history})
-    return cal.thresholds_at(samples, s), info
+    return cal.thresholds_for(samples, s, opts.allocation), info
 
 
 def _train_layers(ffns, rec: cal.Recorder, freqs, thresholds, cs: cal.CalibrationSet, opts: PrepareOptions):
@@ -235,7 +238,7 @@ def print_report(pack: SparsityPack, console=None) -> None:
 def run_prepare(a) -> int:
     """CLI entry (`sparseinfer prepare`)."""
     opts = PrepareOptions(data=a.data, target_sparsity=a.target_sparsity, max_ppl_increase=a.max_ppl_increase,
-                          tokens=a.tokens, recall=a.recall, steps=a.steps, output=a.output,
+                          allocation=a.allocation, tokens=a.tokens, recall=a.recall, steps=a.steps, output=a.output,
                           plot=False if a.no_plot else True, evaluate=not a.no_eval)
     if a.sizes:
         opts.sizes = tuple(int(s) for s in a.sizes.split(","))
