@@ -128,10 +128,12 @@ def test_decode_matches_reference(act, gated, bias, fmt, threshold, with_predict
     ffn = SparseFFN(mlp, threshold, order, pred)
     x = torch.randn(5, d, generator=torch.Generator().manual_seed(4))
     ref = ffn.reference(x)
-    with torch.inference_mode():
-        out = torch.stack([ffn.decode(r) for r in x])
     tol = 1e-4 if fmt == "f32" else 0.05 * ref.abs().max().item()  # q8 down_t re-quantization + x rounding
-    torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+    for crossover in (0.0, 1.0):  # dense-first decode: up/down dense, or sparse on the kept rows
+        ffn.dense_crossover = crossover
+        with torch.inference_mode():
+            out = torch.stack([ffn.decode(r) for r in x])
+        torch.testing.assert_close(out, ref, atol=tol, rtol=0)
     if threshold == 0.0 and fmt == "f32" and act != "drelu":  # every neuron kept == the dense MLP
         full = SparseFFN(mlp, 0.0, order, QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], -1e9))
         torch.testing.assert_close(torch.stack([full.decode(r) for r in x]), mlp(x), atol=1e-4, rtol=1e-4)
