@@ -172,11 +172,17 @@ class LayerData:
 
 
 def split_tokens(n_tokens: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Whole sequences to train (8 in 10), tune (1 in 10) and report (1 in 10), interleaved so
-    every split sees every kind of calibration text."""
+    """Token ids for train / tune (tau) / report (metrics): whole sequences, about 8:1:1 with at
+    least one sequence each (calibration sequences come shuffled, so every split mixes every
+    kind of text); with under 3 sequences, every 10th token position instead."""
+    n_seq = n_tokens // seq_len
     seq = torch.arange(n_tokens) // seq_len
-    k = seq % 10
-    return (k < 8).nonzero().view(-1), (k == 8).nonzero().view(-1), (k == 9).nonzero().view(-1)
+    if n_seq < 3:
+        k = torch.arange(n_tokens) % 10
+        return (k < 8).nonzero().view(-1), (k == 8).nonzero().view(-1), (k == 9).nonzero().view(-1)
+    m = max(1, round(n_seq / 10))
+    train, tune = seq < n_seq - 2 * m, (seq >= n_seq - 2 * m) & (seq < n_seq - m)
+    return train.nonzero().view(-1), tune.nonzero().view(-1), (seq >= n_seq - m).nonzero().view(-1)
 
 
 def _train_net(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd: torch.Tensor,
