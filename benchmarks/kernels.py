@@ -253,27 +253,35 @@ class Bench:
 NOTES = """
 ## Notes
 
-- Dense gemv is bandwidth-bound: every format computes faster than memory delivers it
-  (one core, L2-resident: q4 ~31 GB/s, q8 ~35, f16 ~50, f32 ~60 GB/s of weights), so the
-  kernels track the probe.  What made the difference from ~35% to ~85-95% of the probe for q4:
-  a tile takes its 4 rows from 4 separate quarters of its chunk (interleaved 2 KB rows in
-  one 4 KB page defeat the hardware prefetcher) and the next tile's rows are prefetched
-  into L2.
-- Sparse kernels read scattered rows, and DRAM serves that pattern more slowly than a stream
-  (the random-row probe above; short rows suffer most: a 1536-wide q4 row is ~1 KB).  At 10%
-  of uniformly random rows the best possible speedup over a dense gemv at the probe rate is
-  therefore (probe / random-row probe) below 10x.  Real activations cluster (hot neurons are
-  reordered into a contiguous prefix), which reads better than uniform random ids.
-- `axpy_rows` in q4 is compute-heavy: every nibble becomes a float FMA into y (one core,
-  cached: ~11-12 GB/s of q4 weights against ~31 for gemv); q8 and the float formats are not.
-  Many-row calls split the row list into partitions that stream whole rows (the count of
-  partitions depends only on n, so results do not depend on the thread count).
-- Weight buffers on 2 MB pages (`cpu.empty_hugepages`) help scattered reads: one core
-  reading 10% of 768-byte rows went from ~4.5 to ~7 GB/s.
-- torch `index_select` + `linear` copies the rows first, which costs about as much as the dense
-  product; numba (per-lane accumulators) reaches a few percent of the bandwidth on q4.
-- The machine was shared with other jobs during these runs (load average in the header):
-  single measurements varied by up to +-30%; rerun on an idle machine for exact figures.
+- The machine is shared: other jobs held one or both cores during these runs (load average in
+  the header), which costs our 2-thread kernels CPU time the memory-bound probe hardly needs.
+  Timings are best-of-5 and still move by +-30% between runs; rerun on an idle machine before
+  quoting exact figures.
+- Dense gemv is memory-bound: per core, with the weights in L2, the kernels compute q4 at
+  ~31 GB/s of weights, q8 ~35, f16 ~50, f32 ~60, while one core can stream ~21-26 GB/s from
+  DRAM (the probe with one thread is nearly as fast as with two).  Single-thread runs with the
+  other core free reached 70-84% of the single-thread probe for q4/q8 (17-20 GB/s) and ~76%
+  for f16.  With 2 threads next to other jobs, the tables above: 57-72% of the best probe.
+  The >= 80% target for q4/q8 is therefore met by one core in good moments but was not
+  demonstrated with 2 threads on this shared machine.
+- What mattered for q4 dense (35% -> 70-85% of the probe per core): each 4-row tile takes its
+  rows from 4 separate quarters of its chunk (interleaved 2 KB rows in one 4 KB page defeated
+  the hardware prefetcher) and the next tile's rows and scales are prefetched into L2.
+- Sparse kernels read scattered rows, which DRAM serves slower than a stream: see the
+  random-row probe (whole rows, prefetched, no compute).  Short rows suffer most (a 1536-wide
+  q4 row with its scales is 960 bytes), so at 10% of uniformly random rows the speedup over a
+  dense gemv is bounded by 10 x (random-row probe / dense GB/s), about 5x for that shape.
+  Real activations cluster once neurons are reordered by hotness, which reads better.
+- `axpy_rows` in q4 is compute-heavy: each nibble becomes a float FMA into y (one core, cached:
+  ~11-12 GB/s of weights against ~31 for gemv); q8 and the float formats are not.  Many-row
+  calls cut the row list into partitions that stream whole rows (their number depends only on
+  n, so the result does not depend on the thread count).
+- Weight buffers on 2 MB pages (`cpu.empty_hugepages`, used here for every weight copy) help
+  scattered reads: one core reading 10% of 768-byte rows went from ~4.5 to ~7 GB/s.
+- Prefill: the integer formats multiply int8 activations (per block of 32) with VPDPBUSD,
+  ~140 GOPS per core for q4; torch's bf16 matmul is faster at large M but rounds the
+  activations to bf16.  torch `index_select` + `linear` copies the rows first, which costs
+  about what the dense product does; numba reaches ~1 GB/s on q4.
 """
 
 
@@ -299,7 +307,7 @@ def write_markdown(path, b: Bench, meta):
         "# CPU kernel benchmarks",
         "",
         f"Machine: {meta['cpu']}, {meta['threads']} threads, kernels `{meta['simd']}`, "
-        f"load average before/after {meta['load0']:.1f}/{meta['load1']:.1f} "
+        f"{meta.get('date', '')}, load average before/after {meta['load0']:.1f}/{meta['load1']:.1f} "
         "(the machine was shared: every number is the best of several passes).  ",
         f"Read-bandwidth probe (C, {meta['threads']} threads, 2 GiB, re-measured before each format, best kept): "
         f"**{b.probe:.1f} GB/s** (all: {', '.join(f'{g:.1f}' for g in b.probes)}).  ",
@@ -418,6 +426,21 @@ def write_plot(path, b: Bench):
     fig.savefig(path, dpi=110)
 
 
+def report_from_json(args):
+    with open(args.from_json) as f:
+        records = json.load(f)
+    probe = next(r for r in records if r["kernel"] == "read_probe")
+    meta = probe["run"]
+    args.formats = [f for f in args.formats if any(r["format"] == f for r in records)]
+    args.working_set = args.working_set if "working_set" not in meta else meta["working_set"]
+    b = Bench(args)
+    b.records, b.probes, b.probe, b.threads = records, probe["all_probes"], probe["probe_gbps"], probe["threads"]
+    if args.plot:
+        write_plot(args.plot, b)
+    if args.md:
+        write_markdown(args.md, b, meta)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -431,8 +454,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
     ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
     ap.add_argument("--no-gemm", action="store_true", help="skip the prefill matmul section")
+    ap.add_argument("--from-json", help="only rewrite --md/--plot from the records of an earlier --json run")
     args = ap.parse_args(argv)
     args.formats = args.formats.split(",")
+    if args.from_json:
+        return report_from_json(args)
     models = args.models.split(",")
     if args.quick:
         args.formats = [f for f in args.formats if f in ("q4", "q8")] or ["q4"]
@@ -442,7 +468,8 @@ def main(argv=None):
     cpu.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(),
-            "load0": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv}
+            "load0": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv,
+            "working_set": args.working_set, "date": time.strftime("%Y-%m-%d %H:%M")}
     b = Bench(args)
     log(f"{meta['cpu']}: kernels {meta['simd']}, {args.threads} threads, load {meta['load0']:.1f}")
     b.reprobe()
@@ -464,9 +491,9 @@ def main(argv=None):
         if name == models[0] and not args.no_gemm:
             b.gemm(d_ff, d_model)
     b.overhead()
-    b.add("read_probe", "u8", 0, 0, 1.0, (2 << 30) / b.probe / 1e9, 2 << 30, all_probes=b.probes)
-    log(f"read-bandwidth probe: best {b.probe:.1f} GB/s of {', '.join(f'{g:.1f}' for g in b.probes)}")
     meta["load1"] = os.getloadavg()[0]
+    b.add("read_probe", "u8", 0, 0, 1.0, (2 << 30) / b.probe / 1e9, 2 << 30, all_probes=b.probes, run=meta)
+    log(f"read-bandwidth probe: best {b.probe:.1f} GB/s of {', '.join(f'{g:.1f}' for g in b.probes)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(b.records, f, indent=1)
