@@ -53,6 +53,11 @@ typedef struct {
     float *d, *s, *de;
     int64_t q_stride, d_stride, de_stride;
     int layout;
+    /* pair = 1 (precise mode, the default): two-term activations x ~ d_hi*q_hi + d_lo*q_lo.
+     * Virtual token 2t holds q_hi (d_hi, s = exact block sum), 2t+1 the quantized residual
+     * q_lo of x - d_hi*q_hi (d_lo = max|residual|/127, s = 0).  dot_q then takes T virtual
+     * tokens (even), tiles never split a pair, and writes y[t] = y(2t) + y(2t+1). */
+    int pair;
 } xq_t;
 
 /* Output addressing of a dot-product tile: element (row i, token t) -> y[i*ysr + t*yst]. */

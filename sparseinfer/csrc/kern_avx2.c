@@ -206,10 +206,14 @@ TILE_FN(q4_4x4, q4_tile, 4, 4)
 TILE_FN(q4_4x1, q4_tile, 4, 1)
 TILE_FN(q4_1x4, q4_tile, 1, 4)
 TILE_FN(q4_1x1, q4_tile, 1, 1)
+TILE_FN(q4_4x2, q4_tile, 4, 2)
+TILE_FN(q4_1x2, q4_tile, 1, 2)
 TILE_FN(q8_4x4, q8_tile, 4, 4)
 TILE_FN(q8_4x1, q8_tile, 4, 1)
 TILE_FN(q8_1x4, q8_tile, 1, 4)
 TILE_FN(q8_1x1, q8_tile, 1, 1)
+TILE_FN(q8_4x2, q8_tile, 4, 2)
+TILE_FN(q8_1x2, q8_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
 
@@ -227,8 +231,8 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
-    const int q4 = w->fmt == FMT_Q4;
-    const walk_t wk = walk_init(i0, i1, T);
+    const int q4 = w->fmt == FMT_Q4, P = xq->pair ? 1 : 0;
+    const walk_t wk = walk_init(i0, i1, T >> P);
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
         const int R = j < ntiles ? 4 : 1;
@@ -239,9 +243,9 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
         }
         for (int64_t t = 0; t < T;) {
-            const int Tn = T - t >= 4 ? 4 : 1;
-            qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : q4_4x1) : (Tn == 4 ? q4_1x4 : q4_1x1))
-                             : (R == 4 ? (Tn == 4 ? q8_4x4 : q8_4x1) : (Tn == 4 ? q8_1x4 : q8_1x1));
+            const int Tn = T - t >= 4 ? 4 : P ? 2 : 1;
+            qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : Tn == 2 ? q4_4x2 : q4_4x1) : (Tn == 4 ? q4_1x4 : Tn == 2 ? q4_1x2 : q4_1x1))
+                             : (R == 4 ? (Tn == 4 ? q8_4x4 : Tn == 2 ? q8_4x2 : q8_4x1) : (Tn == 4 ? q8_1x4 : Tn == 2 ? q8_1x2 : q8_1x1));
             xq_t sub = *xq;
             sub.q += t * xq->q_stride;
             sub.d += t * xq->d_stride;
@@ -249,8 +253,13 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             sub.de += t * xq->de_stride;
             float res[4][4];
             fn(w, rr, t + Tn < T ? rr : rn, &sub, res);
-            for (int r = 0; r < R; r++)
-                for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
+            if (P) {
+                for (int r = 0; r < R; r++)
+                    for (int u = 0; u < Tn; u += 2) out->y[pos[r] * out->ysr + ((t + u) >> 1) * out->yst] = res[r][u] + res[r][u + 1];
+            } else {
+                for (int r = 0; r < R; r++)
+                    for (int u = 0; u < Tn; u++) out->y[pos[r] * out->ysr + (t + u) * out->yst] = res[r][u];
+            }
             t += Tn;
         }
     }

@@ -57,6 +57,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
         int64_t r = si_row(rows, i);
         const uint8_t *row = w->qs + r * w->row_bytes;
         const uint16_t *dw = w->d + r * nb, *mw = w->m ? w->m + r * nb : NULL;
+        float yv = 0.0f;
         for (int64_t t = 0; t < T; t++) {
             const int8_t *q = xq->q + t * xq->q_stride;
             const float *dx = xq->d + t * xq->d_stride, *sx = xq->s + t * xq->d_stride;
@@ -67,7 +68,9 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                 acc += si_h2f(dw[b]) * dx[b] * (float)isum;
                 if (mw) acc += si_h2f(mw[b]) * sx[b];
             }
-            out->y[i * out->ysr + t * out->yst] = acc;
+            if (!xq->pair) out->y[i * out->ysr + t * out->yst] = acc;
+            else if (t & 1) out->y[i * out->ysr + (t >> 1) * out->yst] = yv + acc;
+            else yv = acc;
         }
     }
 }

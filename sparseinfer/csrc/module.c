@@ -232,6 +232,15 @@ static PyObject *py_set_simd_level(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_act_precise(PyObject *self, PyObject *unused) { return PyBool_FromLong(si_act_precise()); }
+
+static PyObject *py_set_act_precise(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    si_set_act_precise(on);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_supported_levels(PyObject *self, PyObject *unused) {
     PyObject *l = PyList_New(0);
     if (!l) return NULL;
@@ -281,6 +290,8 @@ static PyMethodDef methods[] = {
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): how long idle workers spin before sleeping"},
     {"simd_level", py_simd_level, METH_NOARGS, "simd_level()"},
     {"set_simd_level", py_set_simd_level, METH_O, "set_simd_level(name): testing; one of supported_levels()"},
+    {"act_precise", py_act_precise, METH_NOARGS, "act_precise(): True if x is quantized in two int8 terms (default)"},
+    {"set_act_precise", py_set_act_precise, METH_O, "set_act_precise(on): False = one int8 term (faster, ~1e-2 relative error)"},
     {"supported_levels", py_supported_levels, METH_NOARGS, "supported_levels()"},
     {NULL, NULL, 0, NULL},
 };

@@ -118,9 +118,26 @@ static void *scratch(int slot, size_t n) {
 
 static int64_t up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
-/* Layout T quantized token vectors of kp values in scratch slot `slot`. */
+/* Activation precision: two-term (precise, default) unless SPARSEINFER_ACT_INT8=1 at first
+ * use or si_set_act_precise(0). */
+static int ACT_PRECISE = -1;
+
+int si_act_precise(void) {
+    if (ACT_PRECISE < 0) {
+        const char *e = getenv("SPARSEINFER_ACT_INT8");
+        ACT_PRECISE = !(e && e[0] && strcmp(e, "0"));
+    }
+    return ACT_PRECISE;
+}
+
+void si_set_act_precise(int on) { ACT_PRECISE = on ? 1 : 0; }
+
+/* Layout T quantized token vectors of kp values in scratch slot `slot` (2T virtual tokens
+ * in precise mode, see xq_t.pair). */
 static int xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
     int64_t nb = kp / 32;
+    xq->pair = si_act_precise();
+    T <<= xq->pair;
     xq->layout = layout;
     xq->q_stride = up(kp, 64);
     xq->d_stride = up(nb, 16);
@@ -136,6 +153,58 @@ static int xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
 }
 
 static int layout_of(int fmt) { return fmt == FMT_Q4 ? XL_Q4 : XL_NATURAL; }
+
+/* Quantize tokens [t0, t1) of x into xq: one int8 term, or (xq->pair) the two terms
+ * q_hi = the level's quantizer on x, q_lo = the same quantizer on the f32 residual
+ * x - d_hi*q_hi, with the lo block sums set to 0 (the m-term uses the exact sums once). */
+static void quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1,
+                         const xq_t *xq) {
+    if (!xq->pair) {
+        k->quantize(x, K, kp, t0, t1, xq);
+        return;
+    }
+    const int64_t nb = kp / 32;
+    xq_t hi = *xq;
+    hi.q_stride *= 2;
+    hi.d_stride *= 2;
+    hi.de_stride *= 2;
+    k->quantize(x, K, kp, t0, t1, &hi);
+    /* residuals of up to RT tokens at a time */
+    enum { RBUF = 8192 };
+    float buf[RBUF], *r = buf, *heap = NULL;
+    int64_t rt = RBUF / K;
+    if (rt < 1) {
+        heap = malloc((size_t)K * sizeof(float));
+        if (!heap) abort();
+        r = heap;
+        rt = 1;
+    }
+    for (int64_t ta = t0; ta < t1; ta += rt) {
+        const int64_t tb = ta + rt < t1 ? ta + rt : t1;
+        for (int64_t t = ta; t < tb; t++) {
+            const float *xt = x + t * K, *d = hi.d + t * hi.d_stride;
+            const int8_t *q = hi.q + t * hi.q_stride;
+            float *rt_ = r + (t - ta) * K;
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *q0 = q + si_xpos(xq->layout, nb, b, 0), *q1 = q + si_xpos(xq->layout, nb, b, 16);
+                const float db = d[b];
+                const int64_t n = K - 32 * b < 32 ? K - 32 * b : 32;
+                for (int j = 0; j < n; j++) {
+                    float p = db * (float)(j < 16 ? q0[j] : q1[j - 16]);
+                    rt_[32 * b + j] = xt[32 * b + j] - p;
+                }
+            }
+        }
+        xq_t lo = hi;
+        lo.q += xq->q_stride + ta * hi.q_stride;
+        lo.d += xq->d_stride + ta * hi.d_stride;
+        lo.s += xq->d_stride + ta * hi.d_stride;
+        lo.de += xq->de_stride + ta * hi.de_stride;
+        k->quantize(r, K, kp, 0, tb - ta, &lo);
+        for (int64_t t = 0; t < tb - ta; t++) memset(lo.s + t * lo.d_stride, 0, (size_t)nb * sizeof(float));
+    }
+    free(heap);
+}
 
 /* ------------------------------------------------------------------------ splitting */
 
@@ -177,9 +246,11 @@ typedef struct {
 static void dot_task(void *p, int64_t c) {
     const dot_ctx *a = p;
     int64_t i0 = c * a->chunk, i1 = i0 + a->chunk < a->n ? i0 + a->chunk : a->n;
+    /* in pair mode T and tchunk count virtual tokens (both even) */
+    const int P = a->xq && a->xq->pair;
     for (int64_t t0 = 0; t0 < a->T; t0 += a->tchunk) {
         int64_t tn = a->T - t0 < a->tchunk ? a->T - t0 : a->tchunk;
-        yout_t o = {a->out.y + t0 * a->out.yst, a->out.ysr, a->out.yst};
+        yout_t o = {a->out.y + (t0 >> P) * a->out.yst, a->out.ysr, a->out.yst};
         if (a->xq) {
             xq_t s = *a->xq;
             s.q += t0 * s.q_stride;
@@ -203,7 +274,7 @@ typedef struct {
 static void quant_task(void *p, int64_t c) {
     const quant_ctx *a = p;
     int64_t t0 = c * a->chunk, t1 = t0 + a->chunk < a->T ? t0 + a->chunk : a->T;
-    a->k->quantize(a->x, a->K, a->kp, t0, t1, a->xq);
+    quant_tokens(a->k, a->x, a->K, a->kp, t0, t1, a->xq);
 }
 
 /* y[i*ysr + t*yst] = W[rows[i]] . x_t for i < n, t < T. */
@@ -215,12 +286,13 @@ static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x
     if (w->fmt >= FMT_Q8) {
         if (xq_alloc(&xq, xslot, layout_of(w->fmt), w->kp, T) != 0) abort();
         if (T == 1) {
-            k->quantize(x, w->cols, w->kp, 0, 1, &xq);
+            quant_tokens(k, x, w->cols, w->kp, 0, 1, &xq);
         } else {
             quant_ctx q = {k, x, w->cols, w->kp, T, 8, &xq};
             run(quant_task, &q, (T + 7) / 8, T * w->cols * 64);
         }
         a.xq = &xq;
+        a.T = T << xq.pair;
         /* keep a token chunk of quantized activations within ~256 KB (L2) */
         a.tchunk = up(262144 / xq.q_stride, 4);
     } else {
@@ -374,7 +446,7 @@ typedef struct {
 static void ffn_dot(const kernels_t *k, const qmat_t *w, const xq_t *xq, const float *x,
                     const int32_t *rows, int64_t i0, int64_t i1, float *y) {
     yout_t o = {y, 1, 0};
-    if (w->fmt >= FMT_Q8) k->dot_q(w, rows, i0, i1, xq, 1, &o);
+    if (w->fmt >= FMT_Q8) k->dot_q(w, rows, i0, i1, xq, 1 << xq->pair, &o);
     else k->dot_f(w, rows, i0, i1, x, w->cols, 1, &o);
 }
 
@@ -396,12 +468,12 @@ void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t 
     xq_t xu, xg;
     if (upm->fmt >= FMT_Q8) {
         if (xq_alloc(&xu, 0, layout_of(upm->fmt), upm->kp, 1) != 0) abort();
-        k->quantize(x, upm->cols, upm->kp, 0, 1, &xu);
+        quant_tokens(k, x, upm->cols, upm->kp, 0, 1, &xu);
     }
     const xq_t *pxg = &xu;
     if (gate && gate->fmt >= FMT_Q8 && (upm->fmt < FMT_Q8 || layout_of(gate->fmt) != layout_of(upm->fmt))) {
         if (xq_alloc(&xg, 1, layout_of(gate->fmt), gate->kp, 1) != 0) abort();
-        k->quantize(x, gate->cols, gate->kp, 0, 1, &xg);
+        quant_tokens(k, x, gate->cols, gate->kp, 0, 1, &xg);
         pxg = &xg;
     }
     float *tmp = scratch(2, (size_t)(2 * n + 32) * sizeof(float));

@@ -4,7 +4,9 @@ A thin wrapper over the compiled extension `sparseinfer._cpu` (sources in
 `sparseinfer/csrc`): checks the inputs, then passes data pointers.  The extension picks
 AVX-512 VNNI / AVX-512 / AVX2 / scalar kernels at run time (`simd_level()`), runs them on its
 own thread pool (`set_num_threads`), and gives bit-identical results across runs and thread
-counts.  Integer formats quantize x to 8 bits per block of 32; the accuracy contract is in
+counts.  Integer formats quantize x per block of 32 in two int8 terms (x ~ d_hi*q_hi +
+d_lo*q_lo, about f32-level accuracy; `set_activation_precise(False)` or
+$SPARSEINFER_ACT_INT8=1 selects the old single int8 term); the accuracy contract is in
 `sparseinfer.kernels.reference`.  Without the compiled extension every function falls back
 to the reference (with one warning).
 
@@ -26,7 +28,7 @@ except ImportError as e:  # no compiler at install time
     _IMPORT_ERROR = e
 
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "set_num_threads",
-           "get_num_threads", "simd_level", "available", "empty_hugepages"]
+           "get_num_threads", "simd_level", "set_activation_precise", "activation_precise", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -248,6 +250,17 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return _cpu.get_num_threads() if _cpu is not None else 1
+
+
+def set_activation_precise(on: bool = True) -> None:
+    """Integer formats: quantize x in two int8 terms (True, default) or one (False: faster
+    matmul, ~1e-2 relative error; the reference's `precise=False` contract)."""
+    if _cpu is not None:
+        _cpu.set_act_precise(bool(on))
+
+
+def activation_precise() -> bool:
+    return bool(_cpu.act_precise()) if _cpu is not None else True
 
 
 def simd_level() -> str:

@@ -8,12 +8,17 @@ Accuracy contract of the fast kernels against these:
   so only the summation order differs: ``|y - ref| <= 1e-5 * sum_k |w_k x_k|`` (+ 1e-30).
   For q8/q4 the same relative term uses ``|d*q| + |m|`` in place of ``|w|`` (`magnitude`),
   since the kernels add the two parts separately and they can cancel.
-- integer formats (q8/q4): the fast kernels quantize the activation x per block of 32 to
-  int8 (`quantize_activation`: scale ``d = amax/127``, ``q = round(x/d)``) and keep the exact
-  f32 block sums for the ``m`` term, so each x value is off by at most ``d/2``:
-  ``|y - ref| <= sum_b (d_b / 2) * sum_{k in b} |w_k|  +  1e-5 * sum_k |w_k x_k|``.
+- integer formats (q8/q4): the fast kernels quantize the activation x per block of 32 in two
+  int8 terms (`quantize_activation2`): ``x ~ d_hi*q_hi + d_lo*q_lo`` with ``d_hi = amax/127``,
+  ``q_hi = round(x/d_hi)``, and q_lo, d_lo the same quantizer applied to the f32 residual
+  ``r = x - d_hi*q_hi``; the ``m`` term uses the exact f32 block sums.  Each x value is off by
+  at most ``d_lo/2`` (about amax/32000), so
+  ``|y - ref| <= sum_b (d_lo_b / 2) * sum_{k in b} |w_k|  +  1e-5 * sum_k |w_k x_k|``
+  (`error_bound`), i.e. roughly f32-level relative error (~1e-5 of ``sum |w x|``).
   Against `gemv_emulated` (the same arithmetic with the rounding of x reproduced) the
   difference is only summation order, like the float formats.
+  With ``cpu.set_activation_precise(False)`` (or $SPARSEINFER_ACT_INT8=1) the kernels use the
+  single term q_hi only; use ``precise=False`` here for that contract (bound with d_hi/2).
 - `axpy_rows` never quantizes its coefficients h: float contract for every format.
 """
 from __future__ import annotations
@@ -84,10 +89,36 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     return q.reshape(kp), amax / 127.0, b.sum(-1)
 
 
-def gemv_emulated(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    """y = W x for q8/q4 with x rounded exactly as the fast kernels do (float64 result)."""
-    q, d, s = quantize_activation(x)
-    xdq = (q.double().view(-1, BLOCK) * d.double()[:, None])  # (nb, 32)
+def quantize_activation2(x: torch.Tensor):
+    """The kernels' two-term activation quantizer (precise mode):
+    (q_hi, d_hi, q_lo, d_lo, s).  q_hi, d_hi, s as `quantize_activation`; q_lo, d_lo are
+    `quantize_activation` of the f32 residual ``x - d_hi*q_hi`` (product rounded to f32, then
+    the difference)."""
+    x = x.float().reshape(-1)
+    qh, dh, s = quantize_activation(x)
+    kp = qh.numel()
+    xp = torch.zeros(kp)
+    xp[: x.numel()] = x
+    r = xp.view(-1, BLOCK) - dh[:, None] * qh.view(-1, BLOCK).float()
+    ql, dl, _ = quantize_activation(r.reshape(kp)[: x.numel()])
+    return qh, dh, ql, dl, s
+
+
+def activation_rounded(x: torch.Tensor, precise: bool = True) -> torch.Tensor:
+    """(nb, 32) float64: x as the integer-format kernels see it (padded with zeros)."""
+    if precise:
+        qh, dh, ql, dl, _ = quantize_activation2(x)
+        return (qh.double().view(-1, BLOCK) * dh.double()[:, None]
+                + ql.double().view(-1, BLOCK) * dl.double()[:, None])
+    q, d, _ = quantize_activation(x)
+    return q.double().view(-1, BLOCK) * d.double()[:, None]
+
+
+def gemv_emulated(w: QWeight, x: torch.Tensor, precise: bool = True) -> torch.Tensor:
+    """y = W x for q8/q4 with x rounded exactly as the fast kernels do (float64 result);
+    precise=False: the single-int8-term mode."""
+    _, _, s = quantize_activation(x)
+    xdq = activation_rounded(x, precise)  # (nb, 32)
     wq = (w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()).view(w.rows, -1, BLOCK)
     y = torch.einsum("rbk,bk,rb->r", wq, xdq, w.d.double())
     if w.m is not None:
@@ -107,13 +138,14 @@ def magnitude(w: QWeight) -> torch.Tensor:
     return a.reshape(w.rows, -1)[:, : w.cols]
 
 
-def error_bound(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    """Per-row bound of |fast - reference| for gemv, from the contract above (float64)."""
+def error_bound(w: QWeight, x: torch.Tensor, precise: bool = True) -> torch.Tensor:
+    """Per-row bound of |fast - reference| for gemv, from the contract above (float64);
+    precise=False: the single-int8-term mode."""
     xd = x.double().reshape(-1)
     fl = 1e-5 * (magnitude(w) @ xd.abs()) + 1e-30
     if w.fmt not in ("q8", "q4"):
         return fl
-    _, d, _ = quantize_activation(x)
+    d = quantize_activation2(x)[3] if precise else quantize_activation(x)[1]
     kp = padded(w.cols)
     wa = torch.zeros(w.rows, kp, dtype=torch.float64)
     wa[:, : w.cols] = w.dequantize().double().abs()
