@@ -189,9 +189,13 @@ static void quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t 
                 const int8_t *q0 = q + si_xpos(xq->layout, nb, b, 0), *q1 = q + si_xpos(xq->layout, nb, b, 16);
                 const float db = d[b];
                 const int64_t n = K - 32 * b < 32 ? K - 32 * b : 32;
-                for (int j = 0; j < n; j++) {
-                    float p = db * (float)(j < 16 ? q0[j] : q1[j - 16]);
-                    rt_[32 * b + j] = xt[32 * b + j] - p;
+                const float *xb = xt + 32 * b;
+                float *rb = rt_ + 32 * b;
+                if (n == 32) {
+                    for (int j = 0; j < 16; j++) rb[j] = xb[j] - db * (float)q0[j];
+                    for (int j = 0; j < 16; j++) rb[16 + j] = xb[16 + j] - db * (float)q1[j];
+                } else {
+                    for (int j = 0; j < n; j++) rb[j] = xb[j] - db * (float)(j < 16 ? q0[j] : q1[j - 16]);
                 }
             }
         }
