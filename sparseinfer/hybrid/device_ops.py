@@ -72,16 +72,22 @@ def chunk_rows(w: QWeight) -> int:
     return max(1, CHUNK_ELEMS // max(w.cols, 1))
 
 
-def fake_quant_x(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded the way the CPU kernels round activations for integer formats (8 bits per
-    block of 32, scale amax/127; `kernels.reference.quantize_activation`), and the exact block
-    sums the kernels use for the mins term; so the accelerator computes the same function of a
-    quantized model as the CPU, and predictors decide the same way on both."""
-    m, k = x2.shape
-    xb = F.pad(x2, (0, (-k) % BLOCK)).view(m, -1, BLOCK)
+def _round8(xb: torch.Tensor) -> torch.Tensor:
+    """One int8 term per block of 32 (scale amax/127, ties to even), as a float."""
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = (torch.round(xb * inv) * (amax / 127.0)).view(m, -1)
+    return torch.round(xb * inv) * (amax / 127.0)
+
+
+def fake_quant_x(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded the way the CPU kernels round activations for integer formats (two int8 terms
+    per block of 32: x ~ d_hi*q_hi + d_lo*q_lo; `kernels.reference.quantize_activation2`), and
+    the exact block sums the kernels use for the mins term; so the accelerator computes the
+    same function of a quantized model as the CPU, and predictors decide the same way on both."""
+    m, k = x2.shape
+    xb = F.pad(x2, (0, (-k) % BLOCK)).view(m, -1, BLOCK)
+    hi = _round8(xb)
+    xq = (hi + _round8(xb - hi)).view(m, -1)
     return xq, xb.sum(-1)
 
 
