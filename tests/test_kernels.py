@@ -48,7 +48,7 @@ def threads():
     cpu.set_num_threads(old)
 
 
-def assert_gemv_close(w, x, y, precise=True):
+def assert_gemv_close(w, x, y, precise=True, f32_level=True):
     """y (fast) vs the exact reference within the contract; integer formats also vs the
     emulation of their (two-term, or with precise=False one-term) activation rounding, where
     only summation order differs."""
@@ -57,7 +57,7 @@ def assert_gemv_close(w, x, y, precise=True):
     assert bool((err <= bound).all()), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
     if w.fmt in ("q8", "q4"):
         scale = ref.magnitude(w) @ x.double().abs() + 1e-30
-        if precise:
+        if precise and f32_level:
             # f32-level: the two-term activations are within ~1e-4 of sum |w x| even in the worst case
             assert bool((err <= 1e-4 * scale).all()), f"vs exact: {(err / scale).max():.3g} relative"
         err2 = (y.double() - ref.gemv_emulated(w, x, precise)).abs()
@@ -86,7 +86,9 @@ def test_gemv_q8_extreme_values(level):
     x = rand(cols)
     x[32:64] = 0
     x[0] = 1e4
-    assert_gemv_close(w, x, cpu.gemv(w, x))
+    # a block holding 1e4 next to values ~1: the second term's step is ~1e4/127^2, so the small
+    # values keep only ~7 bits; the contract bound (error_bound) still holds, f32-level does not
+    assert_gemv_close(w, x, cpu.gemv(w, x), f32_level=False)
 
 
 @pytest.fixture
