@@ -273,10 +273,14 @@ class SparseFFN(nn.Module):
                 pre = pre + self.first_bias[rows]
         a = self.act(pre)
         keep = a.abs() > cut
+        n_first = self.n_neurons if rows is None else rows.numel()
+        if int(keep.sum()) > self.dense_crossover * self.n_neurons:
+            if rows is not None:  # scatter the candidates' activations into all n neurons
+                a = torch.zeros(self.n_neurons).index_copy_(0, rows.long(), a)
+                keep = torch.zeros(self.n_neurons, dtype=torch.bool).index_copy_(0, rows.long(), keep)
+            return self._dense_rest(cpu, x, a, keep, n_first)
         if rows is None:  # ids of every row, for the selection and bookkeeping below
             rows = self._all_rows
-            if int(keep.sum()) > self.dense_crossover * self.n_neurons:
-                return self._dense_rest(cpu, x, a, keep)
         if self.gate is not None:
             kept = rows[keep]
             u = cpu.gemv_rows(self.up, x, kept) if kept.numel() else torch.zeros(0)
@@ -297,7 +301,7 @@ class SparseFFN(nn.Module):
             return torch.zeros(self.d_model)
         return cpu.axpy_rows(self.down_t, h.contiguous(), kept)
 
-    def _dense_rest(self, cpu, x: torch.Tensor, a: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _dense_rest(self, cpu, x: torch.Tensor, a: torch.Tensor, keep: torch.Tensor, n_first: int) -> torch.Tensor:
         """Most neurons kept: up and down dense (their stored formats), h masked, same result."""
         h = a * keep
         if self.gate is not None:
@@ -310,9 +314,10 @@ class SparseFFN(nn.Module):
         if self.permuted:
             h = h.index_select(0, self.inverse)
         st, n = self.stats, self.n_neurons
-        st.rows += n * (3 if self.gate is not None else 2)
+        st.rows += n_first + n * (2 if self.gate is not None else 1)
         st.kept += int(keep.sum())
-        st.bytes += self.first.nbytes + self.down.weight.nbytes + (self.up.nbytes if self.gate is not None else 0)
+        st.bytes += n_first * self.first.row_bytes() + self.down.weight.nbytes + (
+            self.up.nbytes if self.gate is not None else 0)
         return cpu.gemv(self.down.weight, h.contiguous())
 
     def _row_bytes(self) -> int:
