@@ -24,6 +24,12 @@ META_KEY = "sparseinfer.pack"
 PRED_KEYS = ("w1", "b1", "w2", "b2")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @dataclass
 class LayerPack:
     """One layer: its threshold, frequencies, hotness order and predictor."""
@@ -96,6 +102,7 @@ class SparsityPack:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         save_file(self.tensors(), str(tmp), metadata={META_KEY: json.dumps(self.metadata())})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors writes 0600; a pack is as shareable as its model
         os.replace(tmp, path)
         self.path = path
         return path

@@ -222,7 +222,11 @@ def print_report(pack: SparsityPack, console=None) -> None:
               f"{pack.mean_stat('recall'):.4f}", f"{pack.mean_stat('precision'):.3f}",
               f"{pack.mean_stat('density_predicted'):.3f}", f"{pb / 1024:.0f}", style="bold")
     console.print(t)
-    console.print(f"predictors: {pb / 2**20:.2f} MiB = {100 * pb / max(mb, 1):.2f}% of the model's {mb / 2**20:.1f} MiB")
+    trained = sum(lp.predictor_nbytes for lp in pack.layers)
+    console.print(f"predictors used by decode: {pb / 2**20:.2f} MiB = {100 * pb / max(mb, 1):.2f}% of the model's "
+                  f"{mb / 2**20:.1f} MiB (all trained, also ranking rows for forced density: {trained / 2**20:.2f} MiB); "
+                  f"{n_pred}/{len(pack.layers)} layers decode with a predictor, the rest compute the first projection "
+                  "densely and threshold it (exact)")
     ev = pack.info.get("eval")
     if ev:
         d = ev["ppl_dense"]
