@@ -167,10 +167,11 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     table counts only when the head shares it (a lookup reads one row)."""
     ffn_ids, ffn_bytes = set(), 0
     for p, n in ffn_slots(model):
+        down_t = getattr(getattr(p, n), "_down_t", None)
         for w in _qweights(getattr(p, n)):
-            if id(w.qs) not in ffn_ids and w is not getattr(getattr(p, n), "_down_t", None):
+            if id(w.qs) not in ffn_ids:
                 ffn_ids.add(id(w.qs))
-                ffn_bytes += w.nbytes
+                ffn_bytes += 0 if w is down_t else w.nbytes  # the decode copy is not a dense read
     head = {id(w.qs) for w in _qweights(model.head)} if hasattr(model, "head") else set()
     embed = {id(w.qs) for w in _qweights(model.embed)} if hasattr(model, "embed") else set()
     seen, other = set(), 0

@@ -80,7 +80,7 @@ class QPredictor:
 
     def top_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """The k highest-scoring rows, int32 ascending."""
-        return self.scores(x).topk(k).indices.sort().values.to(torch.int32)
+        return self._raw(x).add_(self.b2).topk(k, sorted=False).indices.sort().values.to(torch.int32)
 
     def scores_batch(self, x2: torch.Tensor) -> torch.Tensor:
         """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
