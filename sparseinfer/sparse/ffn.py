@@ -78,7 +78,7 @@ class SparseFFN(nn.Module):
         self.n_neurons, self.d_model = n, mlp.down.out_features
         self.act_name, self.act = mlp.act_name, mlp.act
         self.kernel_act = kernel_act_name(mlp.act_name)
-        self.threshold = float(threshold)
+        self.threshold = threshold
         self.order = torch.arange(n) if order is None else order.long()
         self.inverse = torch.argsort(self.order)
         self.permuted = not bool(torch.equal(self.order, torch.arange(n)))
@@ -109,6 +109,15 @@ class SparseFFN(nn.Module):
         return b.float().index_select(0, self.order) if self.permuted else b.float()
 
     @property
+    def threshold(self) -> float:
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, t: float) -> None:
+        self._threshold = float(t)
+        self._fused = None  # re-decided on the next decode
+
+    @property
     def mode(self) -> str:
         return self._mode
 
@@ -123,6 +132,11 @@ class SparseFFN(nn.Module):
         """(n, d_model) neuron-major `down`, built on first use."""
         if self._down_t is None:
             self._down_t = transpose_neuron_major(self.down.weight, self.order)
+            g = 0 if self.gate is None else self.gate.row_bytes()
+            # bytes per row read by decode: first projection, up + down_t, all three
+            self._rb = (self.first.row_bytes(), self.down_t.row_bytes() + (self.up.row_bytes() if g else 0),
+                        self.up.row_bytes() + self.down_t.row_bytes() + g)
+            self._dense_rest_bytes = self.down.weight.nbytes + (self.up.nbytes if g else 0)
         return self._down_t
 
     def down_column_norms(self) -> torch.Tensor:
@@ -209,7 +223,7 @@ class SparseFFN(nn.Module):
         return y
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Candidate active rows (hotness-order ids, int32, ascending); None: all of them
+        """Candidate active rows (hotness-order ids, int32; ascending except forced density); None: all of them
         (no predictor: the first projection runs dense and the threshold picks the rows)."""
         if self._mode == "oracle":
             a, h = self.hidden(x[None])
@@ -249,11 +263,14 @@ class SparseFFN(nn.Module):
         if rows.numel() == 0:
             return torch.zeros(self.d_model)
         forced = self.density is not None
-        if self._fusable or (forced and self._fusable_forced):
+        if self._fused is None:
+            self._fused = self._fusable
+        if self._fused or (forced and self._fusable_forced):
+            down_t = self.down_t
             st.rows += n_mats * rows.numel()
             st.kept += rows.numel()
-            st.bytes += rows.numel() * self._row_bytes()
-            return cpu.sparse_ffn(x, self.gate, self.up, self.down_t, rows, self.kernel_act)
+            st.bytes += rows.numel() * self._rb[2]
+            return cpu.sparse_ffn(x, self.gate, self.up, down_t, rows, self.kernel_act)
         return self._staged(cpu, x, rows, -1.0 if forced else self.threshold)
 
     @property
@@ -291,15 +308,14 @@ class SparseFFN(nn.Module):
             h = a[keep] * u
         else:
             kept, h = rows[keep], a[keep]
-        st = self.stats
+        down_t, st = self.down_t, self.stats
         n_second = 2 if self.gate is not None else 1
         st.rows += rows.numel() + n_second * kept.numel()
         st.kept += kept.numel()
-        st.bytes += rows.numel() * self.first.row_bytes() + kept.numel() * (
-            self.down_t.row_bytes() + (self.up.row_bytes() if self.gate is not None else 0))
+        st.bytes += rows.numel() * self._rb[0] + kept.numel() * self._rb[1]
         if kept.numel() == 0:
             return torch.zeros(self.d_model)
-        return cpu.axpy_rows(self.down_t, h.contiguous(), kept)
+        return cpu.axpy_rows(down_t, h.contiguous(), kept)
 
     def _dense_rest(self, cpu, x: torch.Tensor, a: torch.Tensor, keep: torch.Tensor, n_first: int) -> torch.Tensor:
         """Most neurons kept: up and down dense (their stored formats), h masked, same result."""
@@ -313,16 +329,12 @@ class SparseFFN(nn.Module):
             h = h * u
         if self.permuted:
             h = h.index_select(0, self.inverse)
+        self.down_t  # noqa: B018 (sets the cached byte counts)
         st, n = self.stats, self.n_neurons
         st.rows += n_first + n * (2 if self.gate is not None else 1)
         st.kept += int(keep.sum())
-        st.bytes += n_first * self.first.row_bytes() + self.down.weight.nbytes + (
-            self.up.nbytes if self.gate is not None else 0)
+        st.bytes += n_first * self._rb[0] + self._dense_rest_bytes
         return cpu.gemv(self.down.weight, h.contiguous())
-
-    def _row_bytes(self) -> int:
-        b = self.up.row_bytes() + self.down_t.row_bytes()
-        return b + (self.gate.row_bytes() if self.gate is not None else 0)
 
     # ------------------------------------------------------------------ reference
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,21 +49,23 @@ def plot_activation_frequency(freqs: list[torch.Tensor], path: str | Path, title
 
 
 def plot_ppl_vs_sparsity(curves: dict[str, list[dict]], path: str | Path) -> Path:
-    """curves: model name -> [{"sparsity", "ppl_dense", "ppl_threshold", "ppl_sparse"}]; relative
-    perplexity increase over dense, thresholds alone and thresholds + predictors."""
+    """curves: model name -> records {"kind": "dense"|"thresholds"|"pack", "sparsity", "ppl_dense",
+    "ppl_threshold", "ppl_sparse" (packs)}: the perplexity increase over dense of thresholds
+    alone (a line) and of each calibrated pack with its predictors (a star)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, pts), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-        pts = sorted(pts, key=lambda p: p["sparsity"])
-        s = [p["sparsity"] for p in pts]
-        for key, style, label in (("ppl_threshold", "--", "thresholds"), ("ppl_sparse", "-", "thresholds + predictors")):
-            y = [100 * (p[key] / p["ppl_dense"] - 1) for p in pts if p.get(key)]
-            if y:
-                ax.plot(s[: len(y)], y, style, marker="o", color=color, label=f"{name}: {label}")
-    ax.axhline(3, color="grey", lw=0.8, ls=":")
-    ax.set(xlabel="FFN sparsity (fraction of neurons zeroed)", ylabel="perplexity increase over dense (%)",
-           title="WikiText-2 perplexity vs activation sparsity")
-    ax.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for (name, recs), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        line = sorted((r for r in recs if r.get("kind") != "pack"), key=lambda r: r["sparsity"])
+        ax.plot([r["sparsity"] for r in line], [100 * (r["ppl_threshold"] / r["ppl_dense"] - 1) for r in line],
+                "-o", color=color, ms=4, label=f"{name}: thresholds")
+        packs = [r for r in recs if r.get("kind") == "pack" and r.get("ppl_sparse")]
+        if packs:
+            ax.plot([r["sparsity"] for r in packs], [100 * (r["ppl_sparse"] / r["ppl_dense"] - 1) for r in packs],
+                    "*", color=color, ms=13, label=f"{name}: packs (thresholds + predictors)")
+    ax.axhline(3, color="grey", lw=0.8, ls=":", label="+3%")
+    ax.set(xlabel="FFN sparsity (mean fraction of neurons zeroed per token)",
+           ylabel="WikiText-2 perplexity increase over dense (%)", title="Perplexity vs activation sparsity")
+    ax.legend(fontsize=7.5)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -49,9 +50,16 @@ class QPredictor:
 
         self._cpu = cpu
         self.w1, self.w2 = from_float(w1.float(), fmt), from_float(w2.float(), fmt)
+        # decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows` over r long rows of W2^T): ~7x
+        # faster than `gemv` over n rows of r values, and z is not re-quantized
+        self.w2t = from_float(w2.float().T.contiguous(), fmt)
+        self._w2t_f32 = self.w2t.dequantize()  # (r, n): the same values for whole chunks
+        self._hidden_ids = torch.arange(self.w2t.rows, dtype=torch.int32)
         self.b1, self.b2 = b1.float().contiguous(), b2.float().contiguous()
         self.tau = float(tau)
         self.cut = (self.tau - self.b2).contiguous()  # logit > tau  <=>  W2 z > tau - b2
+        self._cut_np = self.cut.numpy()
+        self._nbytes: int | None = None
 
     @property
     def hidden_size(self) -> int:
@@ -63,12 +71,15 @@ class QPredictor:
 
     @property
     def nbytes(self) -> int:
-        return self.w1.nbytes + self.w2.nbytes + 4 * (self.b1.numel() + 2 * self.b2.numel())
+        """Bytes one prediction reads (W1, W2^T, biases and cut)."""
+        if self._nbytes is None:
+            self._nbytes = self.w1.nbytes + self.w2t.nbytes + 4 * (self.b1.numel() + self.cut.numel())
+        return self._nbytes
 
     def _raw(self, x: torch.Tensor) -> torch.Tensor:
         z = self._cpu.gemv(self.w1, x)
         z.add_(self.b1).relu_()
-        return self._cpu.gemv(self.w2, z)
+        return self._cpu.axpy_rows(self.w2t, z, self._hidden_ids)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (n,) for one FFN input x (d,)."""
@@ -76,17 +87,18 @@ class QPredictor:
 
     def active_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Predicted active rows, int32 ascending (the decode hot path)."""
-        return torch.nonzero(self._raw(x) > self.cut).view(-1).to(torch.int32)
+        # numpy's flatnonzero: ~3x cheaper than torch.nonzero at this size
+        return torch.from_numpy(np.flatnonzero(self._raw(x).numpy() > self._cut_np).astype(np.int32))
 
     def top_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        """The k highest-scoring rows, int32 ascending."""
-        return self._raw(x).add_(self.b2).topk(k, sorted=False).indices.sort().values.to(torch.int32)
+        """The k highest-scoring rows, int32, in no particular order (the kernels take any)."""
+        return self._raw(x).add_(self.b2).topk(k, sorted=False).indices.to(torch.int32)
 
     def scores_batch(self, x2: torch.Tensor) -> torch.Tensor:
         """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
         z = self._cpu.matmul(self.w1, x2.float().contiguous())
         z.add_(self.b1).relu_()
-        return self._cpu.matmul(self.w2, z) + self.b2
+        return z @ self._w2t_f32 + self.b2
 
     def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
         return self.scores_batch(x2) > self.tau
@@ -94,7 +106,7 @@ class QPredictor:
     def reference_scores(self, x2: torch.Tensor) -> torch.Tensor:
         """Slow reference of `scores_batch`: dequantized weights, torch float math."""
         z = torch.relu(x2.float() @ self.w1.dequantize().T + self.b1)
-        return z @ self.w2.dequantize().T + self.b2
+        return z @ self.w2t.dequantize() + self.b2
 
 
 def q8_bytes(rows: int, cols: int) -> int:
