@@ -38,7 +38,9 @@ def run_bench(a) -> int:
     llm = load(a.model, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
                dense=getattr(a, "dense", False), density=getattr(a, "density", None), ctx_size=a.ctx_size,
                device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None))
-    threads = torch.get_num_threads()
+    from .kernels import cpu
+
+    threads = cpu.get_num_threads() if cpu.available() else torch.get_num_threads()  # the weight-product threads
     best = None
     for _ in range(max(1, a.repetitions)):
         r = measure(llm, a.n_prompt, a.n_gen)
