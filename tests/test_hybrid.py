@@ -223,7 +223,7 @@ def test_placed_bytes_are_what_the_placement_counted(folders, tokens):
                 got["ffn"] += ffn.hot.nbytes()
             if ffn.on_device_predictor:
                 got["predictors"] += sum(dev.device_nbytes(t) for t in (ffn.predictor.b1, ffn.predictor.cut)) + \
-                    dev.qweight_device_nbytes(ffn.predictor.w1) + dev.qweight_device_nbytes(ffn.predictor.w2)
+                    dev.qweight_device_nbytes(ffn.predictor.w1) + dev.qweight_device_nbytes(ffn.predictor.w2t)
     if p.head_on_device:
         got["head"] = device_bytes(hm.norm) + hm.head.nbytes()
     for k, v in got.items():

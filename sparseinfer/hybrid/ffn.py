@@ -82,18 +82,18 @@ class DevicePredictor:
     neuron k is predicted active when (W2 relu(W1 x + b1))_k > tau - b2_k."""
 
     def __init__(self, qp, device: torch.device):
-        self.w1, self.w2 = qp.w1.to(device), qp.w2.to(device)
+        self.w1, self.w2t = qp.w1.to(device), qp.w2t.to(device)
         self.b1, self.cut = qp.b1.to(device), qp.cut.to(device)
 
     @staticmethod
     def device_bytes(qp) -> int:
         """Device bytes of a `QPredictor` (or of this) once moved."""
-        return (dev.qweight_device_nbytes(qp.w1) + dev.qweight_device_nbytes(qp.w2) + dev.device_nbytes(qp.b1)
+        return (dev.qweight_device_nbytes(qp.w1) + dev.qweight_device_nbytes(qp.w2t) + dev.device_nbytes(qp.b1)
                 + dev.device_nbytes(qp.cut))
 
     def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
         z = torch.relu(dev.matmul(self.w1, x2) + self.b1)
-        return dev.matmul(self.w2, z) > self.cut
+        return dev.matmul_t(z, self.w2t) > self.cut
 
 
 class CpuWorker:

@@ -49,11 +49,11 @@ class QPredictor:
         from ..kernels import cpu
 
         self._cpu = cpu
-        self.w1, self.w2 = from_float(w1.float(), fmt), from_float(w2.float(), fmt)
-        # decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows` over r long rows of W2^T): ~7x
-        # faster than `gemv` over n rows of r values, and z is not re-quantized
+        self.w1 = from_float(w1.float(), fmt)
+        # W2 is stored transposed, (r, n): decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows`
+        # over r long rows), ~7x faster than `gemv` over n rows of r values, and z is not
+        # re-quantized; chunks and the accelerator use the same values
         self.w2t = from_float(w2.float().T.contiguous(), fmt)
-        self._w2t_f32 = self.w2t.dequantize()  # (r, n): the same values for whole chunks
         self._hidden_ids = torch.arange(self.w2t.rows, dtype=torch.int32)
         self.b1, self.b2 = b1.float().contiguous(), b2.float().contiguous()
         self.tau = float(tau)
@@ -67,7 +67,7 @@ class QPredictor:
 
     @property
     def n_neurons(self) -> int:
-        return self.w2.rows
+        return self.w2t.cols
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +98,7 @@ class QPredictor:
         """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
         z = self._cpu.matmul(self.w1, x2.float().contiguous())
         z.add_(self.b1).relu_()
-        return z @ self._w2t_f32 + self.b2
+        return z @ self.w2t.dequantize() + self.b2
 
     def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
         return self.scores_batch(x2) > self.tau
