@@ -56,6 +56,44 @@ class Linear(nn.Module):
         return y.view(*lead, -1)
 
 
+class _Fused:
+    """A stacked weight and bias for `fuse_linears`; a plain object, not a submodule, so module
+    walks (byte counts, device moves, FFN replacement) see only the parts."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return Linear.forward(self, x)
+
+
+def fuse_linears(*linears: Linear) -> _Fused | None:
+    """A weight whose rows are the rows of `linears` stacked (e.g. q, k, v or gate, up), so a
+    CPU forward quantizes x once and makes one kernel call instead of several; the parts'
+    weights become row views of it (no extra memory).  None when the formats, input widths or
+    devices differ, or a part has a bias and another not."""
+    ws = [lin.weight for lin in linears]
+    w0 = ws[0]
+    if any(not isinstance(lin, Linear) for lin in linears) or w0.qs.device.type != "cpu":
+        return None
+    if any(w.fmt != w0.fmt or w.cols != w0.cols or w.qs.device != w0.qs.device
+           or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None) for w in ws):
+        return None
+    biases = [lin.bias for lin in linears]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
+    fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))
+    a = 0
+    for lin, w in zip(linears, ws):
+        b = a + w.rows
+        cut = lambda t: None if t is None else t[a:b]  # noqa: E731
+        lin.weight = QWeight(w.fmt, w.rows, w.cols, cut(fused.qs), cut(fused.d), cut(fused.m))
+        a = b
+    bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
+    return _Fused(fused, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -110,6 +148,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate, self.up, self.down, self.act_name = gate, up, down, act
         self.act = F.relu if act == "drelu" else activation(act)
+        self._gate_up = None if gate is None else fuse_linears(gate, up)
+        self._parts = (gate.weight, up.weight) if self._gate_up is not None else None
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """The fused gate+up applies while the parts still are its views (not moved or replaced)."""
+        return self._parts is not None and x.is_cpu and self.gate.weight is self._parts[0] \
+            and self.up.weight is self._parts[1]
 
     @property
     def n_neurons(self) -> int:
@@ -119,6 +164,11 @@ class MLP(nn.Module):
         """The per-neuron activations h that `down` mixes: shape (..., n_neurons)."""
         if self.gate is None:
             return self.act(self.up(x))
+        if self._fused(x):
+            g, up = self._gate_up(x).split([self.gate.out_features, self.up.out_features], dim=-1)
+            if self.act_name == "drelu":
+                up = F.relu(up)
+            return self.act(g).mul_(up)
         up = self.up(x)
         if self.act_name == "drelu":
             up = F.relu(up)
@@ -136,6 +186,7 @@ class Rotary(nn.Module):
         self.n_rot, self.theta, self.scaling = n_rot, theta, scaling
         self._inv_freq = self._frequencies()
         self._cos = self._sin = torch.empty(0)
+        self._last = None
 
     def _frequencies(self) -> torch.Tensor:
         inv = 1.0 / (self.theta ** (torch.arange(0, self.n_rot, 2, dtype=torch.float64) / self.n_rot))
@@ -155,20 +206,31 @@ class Rotary(nn.Module):
             self._cos, self._sin = ang.cos().float(), ang.sin().float()
         return self._cos, self._sin
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (B, H, T, d_head); positions: (T,) or (B, T) absolute positions."""
+    def _cos_sin(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for `positions`, broadcastable to (B, H, T, n_rot); the last pair is kept,
+        since every layer of one forward passes the same positions tensor."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == device:
+            return last[2], last[3]
         cos, sin = self._table(int(positions.max()) + 1)
-        cos, sin = cos[positions].to(x.device), sin[positions].to(x.device)
+        cos, sin = cos[positions].to(device), sin[positions].to(device)
         if positions.dim() == 1:
             cos, sin = cos[None, None], sin[None, None]
         else:
             cos, sin = cos[:, None], sin[:, None]
-        r = self.n_rot
-        xr, xp = x[..., :r], x[..., r:]
-        half = r // 2
-        rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-        out = xr * cos + rot * sin
-        return out if xp.shape[-1] == 0 else torch.cat([out, xp], dim=-1)
+        self._last = (positions, device, cos, sin)
+        return cos, sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (B, H, T, d_head); positions: (T,) or (B, T) absolute positions."""
+        cos, sin = self._cos_sin(positions, x.device)
+        r, half = self.n_rot, self.n_rot // 2
+        xr = x[..., :r]
+        # rotate-half: out = xr * cos + [-x2, x1] * sin, without building the rotated copy
+        out = xr * cos
+        out[..., :half].addcmul_(xr[..., half:], sin[..., :half], value=-1.0)
+        out[..., half:].addcmul_(xr[..., :half], sin[..., half:])
+        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
 
 def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
@@ -190,9 +252,17 @@ class Attention(nn.Module):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads, self.n_kv_heads, self.d_head, self.rotary = n_heads, n_kv_heads, d_head, rotary
+        self._qkv = fuse_linears(q, k, v)
+        self._parts = (q.weight, k.weight, v.weight) if self._qkv is not None else None
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        p = self._parts
+        return p is not None and x.is_cpu and self.q.weight is p[0] and self.k.weight is p[1] and self.v.weight is p[2]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         B, T, _ = x.shape
+        if self._fused(x):
+            return self._forward_fused(x, positions, cache)
         q = self.q(x).view(B, T, self.n_heads, self.d_head).transpose(1, 2)
         k = self.k(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)
@@ -202,6 +272,21 @@ class Attention(nn.Module):
         k, v = cache.update_and_fetch(k, v)
         out = attend(q, k, v, start)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+        """Same as `forward`: one product for q, k and v, one rotary call for q and k together."""
+        B, T, _ = x.shape
+        H, Hk, D = self.n_heads, self.n_kv_heads, self.d_head
+        y = self._qkv(x)
+        qk = y[..., : (H + Hk) * D].view(B, T, H + Hk, D).transpose(1, 2)
+        if self.rotary is not None:
+            qk = self.rotary(qk, positions)
+        q, k = qk[:, :H], qk[:, H:]
+        v = y[..., (H + Hk) * D:].view(B, T, Hk, D).transpose(1, 2)
+        start = cache.length
+        k, v = cache.update_and_fetch(k, v)
+        out = attend(q, k, v, start)
+        return self.o(out.transpose(1, 2).reshape(B, T, H * D))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
