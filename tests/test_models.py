@@ -88,3 +88,24 @@ def test_batch_rows_are_independent(tmp_path, tokens):
     both = ours_logits(model, tokens)
     one = ours_logits(model, tokens[:1])
     torch.testing.assert_close(both[:1], one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
+def test_fused_projections_equal_separate_ones(kind, qtype, tmp_path, tokens):
+    """The CPU path's fused q/k/v and gate/up products give the same logits as the separate
+    products (the hybrid/device path), and the parts are views of the fused weight."""
+    from sparseinfer.models.layers import MLP, Attention
+
+    hf = hf_model(kind)
+    model = build_model(GGUFSource(export_gguf(hf, tmp_path / f"{kind}.gguf", qtype)))
+    mods = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+    assert all(m._parts is not None for m in mods)
+    attn = mods[0]
+    assert attn.q.weight.qs.untyped_storage().data_ptr() == attn.k.weight.qs.untyped_storage().data_ptr()
+    fused = ours_logits(model, tokens), ours_stepwise(model, tokens)
+    for m in mods:
+        m._parts = None
+    separate = ours_logits(model, tokens), ours_stepwise(model, tokens)
+    for a, b in zip(fused, separate):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
