@@ -8,6 +8,12 @@
 #include "common.h"
 
 #define AI static inline __attribute__((always_inline))
+#ifndef PF_TILES
+#define PF_TILES 2
+#endif
+#ifndef PF_ROWS
+#define PF_ROWS 16
+#endif
 
 AI float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -240,7 +246,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
         for (int r = 0; r < R; r++) {
             pos[r] = j < ntiles ? walk_pos(&wk, j, r) : i0 + 4 * ntiles + (j - ntiles);
             rr[r] = si_row(rows, pos[r]);
-            rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
+            rn[r] = j + PF_TILES < ntiles ? si_row(rows, walk_pos(&wk, j + PF_TILES, r)) : rr[r];
         }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : P ? 2 : 1;
@@ -368,8 +374,8 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
         const int64_t row = rows[j];
         const uint8_t *wp = wt->qs + row * wt->row_bytes;
         const float hj = h[j];
-        if (j + 8 < n) {
-            const int64_t rp = rows[j + 8];
+        if (j + PF_ROWS < n) {
+            const int64_t rp = rows[j + PF_ROWS];
             const char *p = (const char *)(wt->qs + rp * wt->row_bytes);
             for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
             if (wt->d) {
