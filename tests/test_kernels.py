@@ -427,3 +427,19 @@ def test_fallback_without_extension(monkeypatch):
         cpu.gemv(w, x)
     assert len([r for r in rec if "reference" in str(r.message)]) == 1
     assert cpu.simd_level() == "reference"
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 64), (2, 5, 1536), (1, 1, 4097)])
+def test_rms_norm_matches_reference(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    y = cpu.rms_norm(x, w, 1e-5)
+    want = ref.rms_norm(x, w, 1e-5)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    torch.testing.assert_close(y, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5), rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu.rms_norm(x, w, 1e-5), y)  # deterministic
+    xt = x.transpose(0, -1).contiguous().transpose(0, -1)  # non-contiguous input
+    assert torch.equal(cpu.rms_norm(xt, w, 1e-5), y)
+    assert cpu.rms_norm(torch.zeros(0, shape[-1]), w, 1e-5).shape == (0, shape[-1])

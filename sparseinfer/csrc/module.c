@@ -272,6 +272,22 @@ static PyObject *py_advise_hugepages(PyObject *self, PyObject *const *a, Py_ssiz
     return PyLong_FromLong(0);
 }
 
+/* rms_norm(x, w, y, rows, n, eps): y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, float32 */
+static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *x, *w, *y;
+    int64_t rows, n;
+    if (!nargs_ok(na, 6, "rms_norm") || get_ptr(a[0], &x) || get_ptr(a[1], &w) || get_ptr(a[2], &y) ||
+        get_i64(a[3], &rows) || get_i64(a[4], &n))
+        return NULL;
+    double eps = PyFloat_AsDouble(a[5]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    if (rows < 0 || n < 0) return PyErr_Format(PyExc_ValueError, "rows and n must be >= 0");
+    if (rows == 0 || n == 0) Py_RETURN_NONE;
+    if (!x || !w || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    si_rms_norm(x, w, y, rows, n, (float)eps);  /* microseconds: keeping the GIL is cheaper than releasing it */
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
@@ -284,6 +300,7 @@ static PyMethodDef methods[] = {
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
     {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
+    {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},
