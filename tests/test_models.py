@@ -109,3 +109,21 @@ def test_fused_projections_equal_separate_ones(kind, qtype, tmp_path, tokens):
     separate = ours_logits(model, tokens), ours_stepwise(model, tokens)
     for a, b in zip(fused, separate):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", [(12, 2), (9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_decode_attention_equals_repeated_kv(heads, batch):
+    """Single-token attention (grouped query rows per KV head) == repeat_kv + plain attention."""
+    from sparseinfer.models.layers import attend
+
+    H, Hk = heads
+    g = torch.Generator().manual_seed(H * 10 + Hk)
+    q = torch.randn(batch, H, 1, 16, generator=g)
+    k, v = torch.randn(2, batch, Hk, 37, 16, generator=g)
+    kr, vr = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
+    want = torch.softmax((q @ kr.transpose(-1, -2)) / 4.0, dim=-1) @ vr
+    torch.testing.assert_close(attend(q, k, v, 36), want, rtol=1e-5, atol=1e-5)
+    qt = torch.randn(batch, 1, H, 16, generator=g).transpose(1, 2)  # non-contiguous, as the fused path makes
+    kr_out = torch.softmax((qt @ kr.transpose(-1, -2)) / 4.0, dim=-1) @ vr
+    torch.testing.assert_close(attend(qt, k, v, 36), kr_out, rtol=1e-5, atol=1e-5)

@@ -294,6 +294,15 @@ class Attention(nn.Module):
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of T new queries (positions start..start+T-1) over L = start+T keys."""
     T, L = q.shape[2], k.shape[2]
+    B, H, _, D = q.shape
+    Hk = k.shape[1]
+    if T == 1 and H != Hk:
+        # One query per head and no mask: the g = H/Hk query heads that share a KV head (head h
+        # uses KV head h // g, as repeat_kv does) become g query rows of that KV head, so K/V
+        # are read in place.  torch's enable_gqa path copies K/V per query head: 0.77 ms vs
+        # 0.17 ms per call at 600 cached tokens, 12/2 heads of 128, one thread.
+        out = F.scaled_dot_product_attention(q.reshape(B, Hk, H // Hk, D), k, v)
+        return out.view(B, H, 1, D)
     mask = None
     if T > 1:
         mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=start)
