@@ -443,3 +443,29 @@ def test_rms_norm_matches_reference(shape):
     xt = x.transpose(0, -1).contiguous().transpose(0, -1)  # non-contiguous input
     assert torch.equal(cpu.rms_norm(xt, w, 1e-5), y)
     assert cpu.rms_norm(torch.zeros(0, shape[-1]), w, 1e-5).shape == (0, shape[-1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 70), (300, 33), (64, 96)])
+def test_dequantize_rows_equals_reference(fmt, shape):
+    w = make_weight(fmt, *shape)
+    want = w.dequantize()
+    assert torch.equal(cpu.dequantize_rows(w), want)
+    r0, r1 = shape[0] // 3, shape[0] - shape[0] // 4
+    assert torch.equal(cpu.dequantize_rows(w, r0, r1), want[r0:r1])
+    assert cpu.dequantize_rows(w, r1, r1).shape == (0, shape[1])
+    with pytest.raises(ValueError):
+        cpu.dequantize_rows(w, 0, shape[0] + 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5, 130])
+def test_matmul_f32_equals_float_product(fmt, m, monkeypatch):
+    monkeypatch.setattr(cpu, "_SLICE_BYTES", 4 * 70 * 16)  # several slices, one partial
+    w = make_weight(fmt, 75, 70)
+    x = rand(m, 70)
+    want = x.double() @ w.dequantize().double().T
+    y = cpu.matmul_f32(w, x)
+    assert y.shape == (m, 75) and y.is_contiguous()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(cpu.matmul_f32(w, x), y)

@@ -272,6 +272,25 @@ static PyObject *py_advise_hugepages(PyObject *self, PyObject *const *a, Py_ssiz
     return PyLong_FromLong(0);
 }
 
+/* dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out): out = W[r0:r1] as float32 */
+static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t w;
+    int64_t r0, r1;
+    void *out;
+    if (!nargs_ok(na, 9, "dequantize_rows") || get_qmat(a, &w, 0, NULL) || get_i64(a[6], &r0) ||
+        get_i64(a[7], &r1) || get_ptr(a[8], &out))
+        return NULL;
+    if (r0 < 0 || r1 > w.rows || r0 > r1)
+        return PyErr_Format(PyExc_ValueError, "row range [%lld, %lld) is outside [0, %lld)", (long long)r0,
+                            (long long)r1, (long long)w.rows);
+    if (r0 == r1 || w.cols == 0) Py_RETURN_NONE;
+    if (!out) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_dequantize_rows(&w, r0, r1, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* rms_norm(x, w, y, rows, n, eps): y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, float32 */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *x, *w, *y;
@@ -300,6 +319,7 @@ static PyMethodDef methods[] = {
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
     {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
+    {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},

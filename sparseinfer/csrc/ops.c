@@ -597,3 +597,64 @@ void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t
         for (i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
     }
 }
+
+/* ------------------------------------------------------------------ dequantize rows
+ * out[(r - r0) * cols + j] = W[r][j] in float32 for r in [r0, r1), exactly the reference's
+ * value (d*q + m, one rounding per operation).  Prefill multiplies many tokens by each
+ * weight: there, an f32 matrix product on a dequantized slice of rows beats the integer
+ * kernels (their activations are re-quantized in two int8 terms), and this costs ~1 ns per
+ * weight, a few percent of the product. */
+typedef struct {
+    const qmat_t *w;
+    int64_t r0, r1, chunk;
+    float *out;
+} deq_ctx;
+
+static void deq_row(const qmat_t *w, int64_t r, float *o) {
+    const int64_t cols = w->cols;
+    const uint8_t *q = w->qs + r * w->row_bytes;
+    if (w->fmt == FMT_F32) {
+        memcpy(o, q, (size_t)cols * sizeof(float));
+        return;
+    }
+    if (w->fmt == FMT_F16 || w->fmt == FMT_BF16) {
+        const uint16_t *h = (const uint16_t *)q;
+        if (w->fmt == FMT_F16)
+            for (int64_t j = 0; j < cols; j++) o[j] = si_h2f(h[j]);
+        else
+            for (int64_t j = 0; j < cols; j++) o[j] = si_bf2f(h[j]);
+        return;
+    }
+    const uint16_t *dr = w->d + r * w->nb, *mr = w->m ? w->m + r * w->nb : NULL;
+    float blk[32];
+    for (int64_t b = 0; b < w->nb; b++) {
+        const float d = si_h2f(dr[b]), m = mr ? si_h2f(mr[b]) : 0.0f;
+        if (w->fmt == FMT_Q8) {
+            const int8_t *qb = (const int8_t *)q + b * 32;
+            for (int j = 0; j < 32; j++) blk[j] = (float)qb[j] * d;
+        } else {
+            const uint8_t *qb = q + b * 16;
+            for (int j = 0; j < 16; j++) {
+                blk[j] = (float)(qb[j] & 15) * d;
+                blk[j + 16] = (float)(qb[j] >> 4) * d;
+            }
+        }
+        if (mr)
+            for (int j = 0; j < 32; j++) blk[j] += m;
+        int64_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
+        memcpy(o + b * 32, blk, (size_t)n * sizeof(float));
+    }
+}
+
+static void deq_task(void *p, int64_t c) {
+    deq_ctx *a = p;
+    int64_t ra = a->r0 + c * a->chunk, rb = ra + a->chunk < a->r1 ? ra + a->chunk : a->r1;
+    for (int64_t r = ra; r < rb; r++) deq_row(a->w, r, a->out + (r - a->r0) * a->w->cols);
+}
+
+void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out) {
+    deq_ctx a = {w, r0, r1, 16, out};
+    int64_t n = r1 - r0;
+    if (n <= 0) return;
+    run(deq_task, &a, (n + a.chunk - 1) / a.chunk, n * w->row_bytes);
+}

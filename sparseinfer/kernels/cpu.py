@@ -28,7 +28,7 @@ except ImportError as e:  # no compiler at install time
     _cpu = None
     _IMPORT_ERROR = e
 
-__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "set_num_threads",
+__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "matmul_f32", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "set_activation_precise", "activation_precise", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
@@ -221,6 +221,57 @@ def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeig
     y = _out(out, down_t.cols)
     _cpu.sparse_ffn(code, *dg, *du, *dd, x.data_ptr(), rows.data_ptr(), rows.numel(), y.data_ptr())
     return y
+
+
+def dequantize_rows(w: QWeight, r0: int = 0, r1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [r0, r1) of W as a float32 (r1 - r0, cols) matrix (equal to `reference`'s dequantize)."""
+    r1 = w.rows if r1 is None else r1
+    if not 0 <= r0 <= r1 <= w.rows:
+        raise ValueError(f"row range [{r0}, {r1}) is outside [0, {w.rows})")
+    if out is None:
+        out = torch.empty(r1 - r0, w.cols, dtype=_F32)
+    elif out.dtype != _F32 or tuple(out.shape) != (r1 - r0, w.cols) or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of shape ({r1 - r0}, {w.cols})")
+    if _cpu is None:
+        _fallback()
+        out.copy_(reference.dequantize(w)[r0:r1])
+        return out
+    _cpu.dequantize_rows(*_desc(w), r0, r1, out.data_ptr())
+    return out
+
+
+# Scratch per slice of dequantized rows in `matmul_f32`: small enough to stay in the cache
+# between the dequantization that writes it and the product that reads it.
+_SLICE_BYTES = 4 << 20
+
+
+def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """Y[M, N] = X W^T with torch's float32 GEMM over slices of W's rows dequantized on the fly.
+
+    For prefill (many tokens per weight) this beats `matmul`'s integer kernels, whose
+    activations are re-quantized per 32 values: the GEMM reuses each weight M times, so the
+    ~1 ns per weight of dequantization is a few percent of the work.  torch runs it on as many
+    threads as the kernels use (the engine keeps torch at one thread for decode)."""
+    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"X must be a float32 CPU tensor of shape (M, {w.cols})")
+    m = x.shape[0]
+    xt = x.t()
+    yt = torch.empty(w.rows, m, dtype=_F32)
+    step = max(16, _SLICE_BYTES // (4 * max(1, w.cols)) // 16 * 16)
+    scratch = None if w.fmt == "f32" else torch.empty(min(step, w.rows), w.cols, dtype=_F32)
+    n = get_num_threads()
+    old = torch.get_num_threads()
+    if old != n:
+        torch.set_num_threads(n)
+    try:
+        for r0 in range(0, w.rows, step):
+            r1 = min(w.rows, r0 + step)
+            s = w.qs[r0:r1] if scratch is None else dequantize_rows(w, r0, r1, scratch[: r1 - r0])
+            torch.mm(s, xt, out=yt[r0:r1])
+    finally:
+        if old != n:
+            torch.set_num_threads(old)
+    return yt.t().contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
