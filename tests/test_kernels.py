@@ -469,3 +469,13 @@ def test_matmul_f32_equals_float_product(fmt, m, monkeypatch):
     assert y.shape == (m, 75) and y.is_contiguous()
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-4)
     assert torch.equal(cpu.matmul_f32(w, x), y)
+
+
+def test_dequantize_and_f32_product_without_extension(monkeypatch):
+    monkeypatch.setattr(cpu, "_cpu", None)
+    monkeypatch.setattr(cpu, "_IMPORT_ERROR", ImportError("simulated"), raising=False)
+    monkeypatch.setattr(cpu, "_warned", True)
+    w = make_weight("q4", 20, 40)
+    assert torch.equal(cpu.dequantize_rows(w, 3, 9), w.dequantize()[3:9])
+    x = rand(7, 40)
+    torch.testing.assert_close(cpu.matmul_f32(w, x), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)

@@ -234,7 +234,7 @@ def dequantize_rows(w: QWeight, r0: int = 0, r1: int | None = None, out: torch.T
         raise ValueError(f"out must be a contiguous float32 CPU tensor of shape ({r1 - r0}, {w.cols})")
     if _cpu is None:
         _fallback()
-        out.copy_(reference.dequantize(w)[r0:r1])
+        out.copy_(w.dequantize()[r0:r1])
         return out
     _cpu.dequantize_rows(*_desc(w), r0, r1, out.data_ptr())
     return out
@@ -259,6 +259,7 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     yt = torch.empty(w.rows, m, dtype=_F32)
     step = max(16, _SLICE_BYTES // (4 * max(1, w.cols)) // 16 * 16)
     scratch = None if w.fmt == "f32" else torch.empty(min(step, w.rows), w.cols, dtype=_F32)
+    desc = None if _cpu is None else _desc(w)  # checked once, not per slice
     n = get_num_threads()
     old = torch.get_num_threads()
     if old != n:
@@ -266,7 +267,13 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     try:
         for r0 in range(0, w.rows, step):
             r1 = min(w.rows, r0 + step)
-            s = w.qs[r0:r1] if scratch is None else dequantize_rows(w, r0, r1, scratch[: r1 - r0])
+            if scratch is None:
+                s = w.qs[r0:r1]
+            elif desc is None:
+                s = dequantize_rows(w, r0, r1, scratch[: r1 - r0])
+            else:
+                s = scratch[: r1 - r0]
+                _cpu.dequantize_rows(*desc, r0, r1, s.data_ptr())
             torch.mm(s, xt, out=yt[r0:r1])
     finally:
         if old != n:

@@ -71,13 +71,13 @@ def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeig
     return axpy_rows(down_t, h, rows)
 
 
-# ---------------------------------------------------------------- integer-format emulation
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float64."""
     xd = x.double()
     return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).to(x.dtype)
 
+
+# ---------------------------------------------------------------- integer-format emulation
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' 8-bit activation quantizer: (q int8 (Kp,), d f32 (nb,), s f32 (nb,)).
