@@ -37,7 +37,8 @@ def run_bench(a) -> int:
 
     llm = load(a.model, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
                dense=getattr(a, "dense", False), density=getattr(a, "density", None), ctx_size=a.ctx_size,
-               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None))
+               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None),
+               act_mode=getattr(a, "act_mode", "auto"))
     from .kernels import cpu
 
     threads = cpu.get_num_threads() if cpu.available() else torch.get_num_threads()  # the weight-product threads
@@ -50,8 +51,9 @@ def run_bench(a) -> int:
            "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2),
            "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
            "bytes_per_token": int(best["bytes_per_token"]),
-           "predictor_time_fraction": round(best["predictor_time_fraction"], 4)}
-    print(f"model: {llm.info.path}\nthreads: {threads}\nmode: {rec['mode']} (density {rec['density']:.3f}, "
+           "predictor_time_fraction": round(best["predictor_time_fraction"], 4),
+           "act_mode": cpu.activation_mode()}
+    print(f"model: {llm.info.path}\nthreads: {threads}, activations: {rec['act_mode']}\nmode: {rec['mode']} (density {rec['density']:.3f}, "
           f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
           f"prompt ({a.n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
           f"decode ({a.n_gen} tokens):  {rec['decode_tps']:.1f} tok/s, {rec['bytes_per_token'] / 2**20:.1f} MiB/token, "

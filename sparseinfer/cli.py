@@ -17,6 +17,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when torch sees a GPU), cpu or cuda[:N]")
     p.add_argument("--vram-budget", default=None, metavar="SIZE",
                    help="GPU memory to use: 4GiB, 512MiB, or a number of GiB (default: free memory minus 1 GiB)")
+    p.add_argument("--act-mode", default="auto", choices=("auto", "int8", "precise"),
+                   help="activation rounding for 4/8-bit weights: int8 (llama.cpp's), precise (two int8 terms, "
+                        "~f32; 10-25%% slower decode), auto (precise for models under 256 MiB; default)")
 
 
 def _sparse_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,8 @@ def _load(a):
     t0 = time.perf_counter()
     llm = load(a.model, ctx_size=a.ctx_size, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
                dense=getattr(a, "dense", False), density=getattr(a, "density", None),
-               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None))
+               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None),
+               act_mode=getattr(a, "act_mode", "auto"))
     if a.verbose:
         print(f"loaded {llm.info.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         if getattr(llm, "sparsity", None) is not None:

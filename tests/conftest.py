@@ -12,6 +12,27 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py helpers
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
+@pytest.fixture(autouse=True)
+def _restore_activation_mode():
+    """The kernels' activation mode is process-wide and `load` sets it (act_mode="auto"): keep
+    one test's choice from leaking into the next."""
+    from sparseinfer.kernels import cpu
+
+    old = cpu.activation_mode()
+    yield
+    cpu.set_activation_mode(old)
+
+
+@pytest.fixture
+def precise_activations():
+    """Two-term activations (about f32): for tests of model code against a dequantized f32
+    reference at tight tolerances.  The default int8 rounding has its own tests
+    (test_kernels.py against the reference emulation, test_smollm2.py on the decode path)."""
+    from sparseinfer.kernels import cpu
+
+    cpu.set_activation_mode("precise")
+
+
 def _catalog_model(name: str):
     from sparseinfer import catalog
     from sparseinfer.errors import SparseInferError

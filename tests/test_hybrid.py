@@ -23,6 +23,8 @@ from sparseinfer.sparse.predictor import QPredictor
 
 from tiny import export_gguf, hf_model, save_folder
 
+pytestmark = pytest.mark.usefixtures("precise_activations")
+
 CTX = 64
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

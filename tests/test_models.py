@@ -10,6 +10,8 @@ from sparseinfer.models.registry import build_model
 
 from tiny import dequantized_reference, export_gguf, hf_model, save_folder
 
+pytestmark = pytest.mark.usefixtures("precise_activations")
+
 KINDS = ["llama", "llama-relu", "mistral", "qwen2", "falcon", "falcon-40b", "opt"]
 
 

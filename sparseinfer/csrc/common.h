@@ -8,7 +8,8 @@
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
  *
  * Activations for the integer formats are quantized once per call to int8 blocks of 32
- * (`xq_t`): q = round(x * 127/amax), d = amax/127, s = exact f32 sum of the block.
+ * (`xq_t`): q = round(x * 127/amax), d = amax/127, s = d * sum(q)
+ * (the block's sum as the products see it, for the m term; see kern_scalar.c).
  * Two byte layouts of q, matching how each weight format unpacks without shuffles:
  *   XL_NATURAL (q8): block b at bytes 32b..32b+31.
  *   XL_Q4 (q4): blocks in groups of 4 (g = 128 bytes): bytes 0..63 hold values 0..15 of the
@@ -37,6 +38,9 @@
 enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_COUNT = 5 };
 enum { XL_NATURAL = 0, XL_Q4 = 1 };
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_COUNT = 4 };
+/* Activation precision of the integer formats: one int8 term per block of 32 (llama.cpp's Q8
+ * activations; default) or two (about f32 accuracy). */
+enum { ACT_INT8 = 0, ACT_PRECISE = 1 };
 
 typedef struct {
     int fmt;
@@ -53,9 +57,9 @@ typedef struct {
     float *d, *s, *de;
     int64_t q_stride, d_stride, de_stride;
     int layout;
-    /* pair = 1 (precise mode, the default): two-term activations x ~ d_hi*q_hi + d_lo*q_lo.
-     * Virtual token 2t holds q_hi (d_hi, s = exact block sum), 2t+1 the quantized residual
-     * q_lo of x - d_hi*q_hi (d_lo = max|residual|/127, s = 0).  dot_q then takes T virtual
+    /* pair = 1 (precise mode, opt-in): two-term activations x ~ d_hi*q_hi + d_lo*q_lo.
+     * Virtual token 2t holds q_hi (d_hi, s = d_hi*sum(q_hi)), 2t+1 the quantized residual
+     * q_lo of x - d_hi*q_hi (d_lo = max|residual|/127, s = d_lo*sum(q_lo)).  dot_q then takes T virtual
      * tokens (even), tiles never split a pair, and writes y[t] = y(2t) + y(2t+1). */
     int pair;
 } xq_t;
@@ -84,6 +88,9 @@ typedef struct {
     /* read nbytes from p, return a value that depends on every byte (defeats dead-code) */
     uint64_t (*read_sum)(const uint8_t *p, int64_t nbytes);
 } kernels_t;
+
+/* de of one token from its block scales d (layout as described above) */
+void si_fill_de(int layout, int64_t nb, const float *d, float *de);
 
 extern const kernels_t si_kernels_scalar;
 #if SI_X86

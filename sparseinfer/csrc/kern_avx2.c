@@ -32,8 +32,6 @@ AI __m256i dot8(__m256i a, __m256i b) { return _mm256_madd_epi16(_mm256_maddubs_
 
 /* ---------------------------------------------------------------- activation quantizer */
 
-void si_fill_de(int layout, int64_t nb, const float *d, float *de);
-
 static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
     const int64_t nb = kp / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -65,7 +63,12 @@ static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
             _mm_storeu_si128((__m128i *)(q + si_xpos(xq->layout, nb, b, 0)), _mm256_castsi256_si128(p));
             _mm_storeu_si128((__m128i *)(q + si_xpos(xq->layout, nb, b, 16)), _mm256_extracti128_si256(p, 1));
             d[b] = amax / 127.0f;
-            s[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            /* s = d * sum(q) (see kern_scalar.c); |q| <= 127, so the packs did not saturate */
+            __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+            is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+            is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+            s[b] = d[b] * (float)_mm_cvtsi128_si32(is4);
         }
         si_fill_de(xq->layout, nb, d, xq->de + t * xq->de_stride);
     }

@@ -39,13 +39,13 @@ static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
             float id = amax > 0.0f ? 127.0f / amax : 0.0f;
             __m512 vid = _mm512_set1_ps(id);
-            __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)));
-            __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, vid)));
+            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+            __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
             int64_t o0 = si_xpos(xq->layout, nb, b, 0), o1 = si_xpos(xq->layout, nb, b, 16);
             _mm_storeu_si128((__m128i *)(q + o0), q0);
             _mm_storeu_si128((__m128i *)(q + o1), q1);
             d[b] = amax / 127.0f;
-            s[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+            s[b] = d[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)); /* d * sum(q), see kern_scalar.c */
         }
         if (xq->layout == XL_Q4) {
             const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);

@@ -3,19 +3,25 @@
 #include <math.h>
 #include "common.h"
 
-/* Quantize one block of 32 values (x beyond K count as 0): q, scale d, exact sum s. */
+/* Quantize one block of 32 values (x beyond K count as 0): q, scale d, and s = d * sum(q),
+ * the sum of the block as the dot product sees it (for the m term: with the sum of the
+ * rounded values the rounding error meets the true weights d*q + m, which are centred, rather
+ * than the nibbles d*q alone, which for q4 carry an offset of ~8d; 1.1-5x smaller error). */
 static void quant_block(const float *x, int64_t n, int8_t *q32, float *d, float *s) {
-    float v[32], amax = 0.0f, sum = 0.0f;
+    float v[32], amax = 0.0f;
     for (int j = 0; j < 32; j++) {
         v[j] = j < n ? x[j] : 0.0f;
         float a = fabsf(v[j]);
         amax = a > amax ? a : amax;
-        sum += v[j];
     }
     float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int j = 0; j < 32; j++) q32[j] = (int8_t)lrintf(v[j] * id);
+    int32_t isum = 0;
+    for (int j = 0; j < 32; j++) {
+        q32[j] = (int8_t)lrintf(v[j] * id);
+        isum += q32[j];
+    }
     *d = amax / 127.0f;
-    *s = sum;
+    *s = *d * (float)isum;
 }
 
 void si_fill_de(int layout, int64_t nb, const float *d, float *de) {

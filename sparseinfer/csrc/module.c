@@ -232,12 +232,13 @@ static PyObject *py_set_simd_level(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_act_precise(PyObject *self, PyObject *unused) { return PyBool_FromLong(si_act_precise()); }
+static PyObject *py_act_mode(PyObject *self, PyObject *unused) { return PyLong_FromLong(si_act_mode()); }
 
-static PyObject *py_set_act_precise(PyObject *self, PyObject *arg) {
-    int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    si_set_act_precise(on);
+static PyObject *py_set_act_mode(PyObject *self, PyObject *arg) {
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    if (mode < ACT_INT8 || mode > ACT_PRECISE) return PyErr_Format(PyExc_ValueError, "activation mode must be 0 or 1 (got %ld)", mode);
+    si_set_act_mode((int)mode);
     Py_RETURN_NONE;
 }
 
@@ -327,8 +328,8 @@ static PyMethodDef methods[] = {
     {"set_spin_us", py_set_spin_us, METH_O, "set_spin_us(us): how long idle workers spin before sleeping"},
     {"simd_level", py_simd_level, METH_NOARGS, "simd_level()"},
     {"set_simd_level", py_set_simd_level, METH_O, "set_simd_level(name): testing; one of supported_levels()"},
-    {"act_precise", py_act_precise, METH_NOARGS, "act_precise(): True if x is quantized in two int8 terms (default)"},
-    {"set_act_precise", py_set_act_precise, METH_O, "set_act_precise(on): False = one int8 term (faster, ~1e-2 relative error)"},
+    {"act_mode", py_act_mode, METH_NOARGS, "act_mode(): 0 one int8 term per block of 32 (default), 1 two terms"},
+    {"set_act_mode", py_set_act_mode, METH_O, "set_act_mode(mode): see act_mode"},
     {"supported_levels", py_supported_levels, METH_NOARGS, "supported_levels()"},
     {NULL, NULL, 0, NULL},
 };
@@ -345,6 +346,8 @@ PyMODINIT_FUNC PyInit__cpu(void) {
     PyModule_AddIntConstant(mod, "FMT_Q4", FMT_Q4);
     PyModule_AddIntConstant(mod, "XL_NATURAL", XL_NATURAL);
     PyModule_AddIntConstant(mod, "XL_Q4", XL_Q4);
+    PyModule_AddIntConstant(mod, "ACT_INT8", ACT_INT8);
+    PyModule_AddIntConstant(mod, "ACT_PRECISE", ACT_PRECISE);
     PyModule_AddIntConstant(mod, "ACT_SILU", ACT_SILU);
     PyModule_AddIntConstant(mod, "ACT_RELU", ACT_RELU);
     PyModule_AddIntConstant(mod, "ACT_GELU", ACT_GELU);

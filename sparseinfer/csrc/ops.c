@@ -118,25 +118,25 @@ static void *scratch(int slot, size_t n) {
 
 static int64_t up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
-/* Activation precision: two-term (precise, default) unless SPARSEINFER_ACT_INT8=1 at first
- * use or si_set_act_precise(0). */
-static int ACT_PRECISE = -1;
+/* Activation precision (see common.h, enum ACT_*): ACT_INT8 unless $SPARSEINFER_ACT_MODE
+ * ("int8", "precise") at first use or si_set_act_mode() says otherwise. */
+static int ACT_MODE = -1;
 
-int si_act_precise(void) {
-    if (ACT_PRECISE < 0) {
-        const char *e = getenv("SPARSEINFER_ACT_INT8");
-        ACT_PRECISE = !(e && e[0] && strcmp(e, "0"));
+int si_act_mode(void) {
+    if (ACT_MODE < 0) {
+        const char *e = getenv("SPARSEINFER_ACT_MODE");
+        ACT_MODE = e && !strcmp(e, "precise") ? ACT_PRECISE : ACT_INT8;
     }
-    return ACT_PRECISE;
+    return ACT_MODE;
 }
 
-void si_set_act_precise(int on) { ACT_PRECISE = on ? 1 : 0; }
+void si_set_act_mode(int mode) { ACT_MODE = mode; }
 
 /* Layout T quantized token vectors of kp values in scratch slot `slot` (2T virtual tokens
  * in precise mode, see xq_t.pair). */
 static int xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
     int64_t nb = kp / 32;
-    xq->pair = si_act_precise();
+    xq->pair = si_act_mode() == ACT_PRECISE;
     T <<= xq->pair;
     xq->layout = layout;
     xq->q_stride = up(kp, 64);
@@ -156,7 +156,8 @@ static int layout_of(int fmt) { return fmt == FMT_Q4 ? XL_Q4 : XL_NATURAL; }
 
 /* Quantize tokens [t0, t1) of x into xq: one int8 term, or (xq->pair) the two terms
  * q_hi = the level's quantizer on x, q_lo = the same quantizer on the f32 residual
- * x - d_hi*q_hi, with the lo block sums set to 0 (the m-term uses the exact sums once). */
+ * x - d_hi*q_hi; each term carries its own block sums d*sum(q), so the m term sees the same
+ * x as the products. */
 static void quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1,
                          const xq_t *xq) {
     if (!xq->pair) {
@@ -205,7 +206,6 @@ static void quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t 
         lo.s += xq->d_stride + ta * hi.d_stride;
         lo.de += xq->de_stride + ta * hi.de_stride;
         k->quantize(r, K, kp, 0, tb - ta, &lo);
-        for (int64_t t = 0; t < tb - ta; t++) memset(lo.s + t * lo.d_stride, 0, (size_t)nb * sizeof(float));
     }
     free(heap);
 }

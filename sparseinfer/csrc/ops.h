@@ -4,8 +4,8 @@
 #include "common.h"
 
 const char *si_level(void);
-int si_act_precise(void);                     /* 1: two-term activations (default) */
-void si_set_act_precise(int on);
+int si_act_mode(void);                        /* ACT_INT8 (default) / ACT_PRECISE */
+void si_set_act_mode(int mode);
 int si_select(const char *name);              /* 0 ok, -1 unknown name, -2 not supported here */
 int si_level_supported(const char *name);     /* 1 / 0 */
 extern const char *const si_level_names[];    /* best first, NULL-terminated */

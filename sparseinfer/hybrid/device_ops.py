@@ -45,9 +45,8 @@ def copy_rows(w: QWeight, start: int, end: int, device: torch.device | str = "cp
     return QWeight(w.fmt, end - start, w.cols, cut(w.qs), cut(w.d), cut(w.m))
 
 
-def dequant(w: QWeight, with_mins: bool = True) -> torch.Tensor:
-    """(rows, cols) float32 on the weight's device, in place where possible (bounded temporaries).
-    `with_mins=False` leaves out the `m` term (padded to whole blocks then)."""
+def dequant(w: QWeight) -> torch.Tensor:
+    """(rows, cols) float32 on the weight's device, in place where possible (bounded temporaries)."""
     if w.fmt == "f32":
         return w.qs
     if w.fmt in ("f16", "bf16"):
@@ -62,10 +61,10 @@ def dequant(w: QWeight, with_mins: bool = True) -> torch.Tensor:
         q[..., BLOCK // 2 :] = b >> 4
     q = q.view(rows, -1, BLOCK)
     q.mul_(w.d.float()[..., None])
-    if w.m is not None and with_mins:
+    if w.m is not None:
         q.add_(w.m.float()[..., None])
     q = q.view(rows, -1)
-    return q if q.shape[1] == w.cols or not with_mins else q[:, : w.cols]
+    return q if q.shape[1] == w.cols else q[:, : w.cols]
 
 
 def chunk_rows(w: QWeight) -> int:
@@ -79,16 +78,20 @@ def _round8(xb: torch.Tensor) -> torch.Tensor:
     return torch.round(xb * inv) * (amax / 127.0)
 
 
-def fake_quant_x(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded the way the CPU kernels round activations for integer formats (two int8 terms
-    per block of 32: x ~ d_hi*q_hi + d_lo*q_lo; `kernels.reference.quantize_activation2`), and
-    the exact block sums the kernels use for the mins term; so the accelerator computes the
-    same function of a quantized model as the CPU, and predictors decide the same way on both."""
+def fake_quant_x(x2: torch.Tensor) -> torch.Tensor:
+    """x rounded the way the CPU kernels round activations for integer formats in the current
+    activation mode (`kernels.cpu.set_activation_mode`, `kernels.reference`); the kernels'
+    mins term uses the block sums of this rounded x, so a plain product with the full
+    dequantized weight is the same function.  The accelerator then computes what the CPU
+    does, and predictors decide the same way on both."""
+    from ..kernels import cpu
+
     m, k = x2.shape
     xb = F.pad(x2, (0, (-k) % BLOCK)).view(m, -1, BLOCK)
-    hi = _round8(xb)
-    xq = (hi + _round8(xb - hi)).view(m, -1)
-    return xq, xb.sum(-1)
+    xq = _round8(xb)
+    if cpu.activation_mode() == "precise":
+        xq = xq + _round8(xb - xq)
+    return xq.view(m, -1)[:, :k]
 
 
 def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
@@ -98,17 +101,11 @@ def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
     if w.fmt in ("f16", "bf16") and x2.device.type == "cuda":
         return (x2.to(w.qs.dtype) @ w.qs.T).float()  # tensor cores; inputs rounded to the weight type
     y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32, device=x2.device)
-    xq, sums = fake_quant_x(x2) if w.fmt in ("q8", "q4") else (x2, None)
+    xq = fake_quant_x(x2) if w.fmt in ("q8", "q4") else x2
     step = chunk_rows(w)
     for a in range(0, w.rows, step):
         b = min(w.rows, a + step)
-        part = row_slice(w, a, b)
-        if sums is None:
-            y[:, a:b] = xq @ dequant(part).T
-            continue
-        y[:, a:b] = xq @ dequant(part, with_mins=False).T
-        if part.m is not None:
-            y[:, a:b] += sums @ part.m.float().T
+        y[:, a:b] = xq @ dequant(row_slice(w, a, b)).T
     return y
 
 

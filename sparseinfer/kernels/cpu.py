@@ -4,10 +4,9 @@ A thin wrapper over the compiled extension `sparseinfer._cpu` (sources in
 `sparseinfer/csrc`): checks the inputs, then passes data pointers.  The extension picks
 AVX-512 VNNI / AVX-512 / AVX2 / scalar kernels at run time (`simd_level()`), runs them on its
 own thread pool (`set_num_threads`), and gives bit-identical results across runs and thread
-counts.  Integer formats quantize x per block of 32 in two int8 terms (x ~ d_hi*q_hi +
-d_lo*q_lo, about f32-level accuracy; `set_activation_precise(False)` or
-$SPARSEINFER_ACT_INT8=1 selects the old single int8 term); the accuracy contract is in
-`sparseinfer.kernels.reference`.  Without the compiled extension every function falls back
+counts.  Integer formats quantize x per block of 32 to int8 (llama.cpp's Q8 activations;
+`set_activation_mode("precise")` adds a second int8 term, about f32 accuracy); the accuracy
+contract is in `sparseinfer.kernels.reference`.  Without the compiled extension every function falls back
 to the reference (with one warning).
 
 All inputs are CPU tensors; x float32; row ids int32 (int64 is converted); outputs float32.
@@ -29,7 +28,7 @@ except ImportError as e:  # no compiler at install time
     _IMPORT_ERROR = e
 
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "matmul_f32", "dequantize_rows", "set_num_threads",
-           "get_num_threads", "simd_level", "set_activation_precise", "activation_precise", "available", "empty_hugepages"]
+           "get_num_threads", "simd_level", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -325,15 +324,26 @@ def get_num_threads() -> int:
     return _cpu.get_num_threads() if _cpu is not None else 1
 
 
-def set_activation_precise(on: bool = True) -> None:
-    """Integer formats: quantize x in two int8 terms (True, default) or one (False: faster
-    matmul, ~1e-2 relative error; the reference's `precise=False` contract)."""
+ACTIVATION_MODES = ("int8", "precise")
+
+
+def set_activation_mode(mode: str) -> None:
+    """How integer formats (q4/q8) quantize the activation x, per block of 32 values:
+    "int8" (default): one int8 term, llama.cpp's Q8 activations (~1e-2 relative error per
+    product; SmolLM2-135M teacher-forced KL to the f32 model 0.0038, llama.cpp's 0.0035);
+    "precise": plus a second int8 term of the rounding residual (about f32 accuracy, KL
+    < 1e-5; ~25% slower q4 decode on 2 AVX2 cores).  Process-wide; $SPARSEINFER_ACT_MODE
+    sets it at start-up.  The contract is in `kernels.reference`."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activation mode must be one of {', '.join(ACTIVATION_MODES)} (got {mode!r})")
     if _cpu is not None:
-        _cpu.set_act_precise(bool(on))
+        _cpu.set_act_mode(ACTIVATION_MODES.index(mode))
 
 
-def activation_precise() -> bool:
-    return bool(_cpu.act_precise()) if _cpu is not None else True
+def activation_mode() -> str:
+    """The current activation mode (without the compiled core the reference computes in f32:
+    "precise")."""
+    return ACTIVATION_MODES[_cpu.act_mode()] if _cpu is not None else "precise"
 
 
 def simd_level() -> str:

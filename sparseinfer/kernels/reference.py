@@ -8,17 +8,20 @@ Accuracy contract of the fast kernels against these:
   so only the summation order differs: ``|y - ref| <= 1e-5 * sum_k |w_k x_k|`` (+ 1e-30).
   For q8/q4 the same relative term uses ``|d*q| + |m|`` in place of ``|w|`` (`magnitude`),
   since the kernels add the two parts separately and they can cancel.
-- integer formats (q8/q4): the fast kernels quantize the activation x per block of 32 in two
-  int8 terms (`quantize_activation2`): ``x ~ d_hi*q_hi + d_lo*q_lo`` with ``d_hi = amax/127``,
-  ``q_hi = round(x/d_hi)``, and q_lo, d_lo the same quantizer applied to the f32 residual
-  ``r = x - d_hi*q_hi``; the ``m`` term uses the exact f32 block sums.  Each x value is off by
-  at most ``d_lo/2`` (about amax/32000), so
-  ``|y - ref| <= sum_b (d_lo_b / 2) * sum_{k in b} |w_k|  +  1e-5 * sum_k |w_k x_k|``
-  (`error_bound`), i.e. roughly f32-level relative error (~1e-5 of ``sum |w x|``).
+- integer formats (q8/q4): the fast kernels quantize the activation x per block of 32 to
+  int8: ``d_hi = amax/127``, ``q_hi = round(x/d_hi)`` (`quantize_activation`, llama.cpp's Q8
+  activations; mode "int8", the default), so each x value is off by at most d_hi/2 (~1e-2 of
+  ``sum |w x|``).  In mode "precise" (`cpu.set_activation_mode`, $SPARSEINFER_ACT_MODE) a
+  second int8 term q_lo, d_lo quantizes the f32 residual ``r = x - d_hi*q_hi`` the same way
+  (`quantize_activation2`), ``x ~ d_hi*q_hi + d_lo*q_lo``, each value off by at most
+  ``d_lo/2`` (about amax/32000): roughly f32-level relative error (~1e-5 of ``sum |w x|``).
+  The ``m`` term uses each term's block sums ``d*sum(q)``, i.e. the same rounded x as the
+  products, so the rounding error meets the true weights ``d*q + m`` (centred) rather than
+  the nibbles ``d*q`` (offset by ~8d for q4).  So
+  ``|y - ref| <= sum_b (step_b / 2) * sum_{k in b} |w_k|  +  1e-5 * sum_k |w_k x_k|``
+  (`error_bound`), step = d_hi ("int8") or d_lo ("precise").
   Against `gemv_emulated` (the same arithmetic with the rounding of x reproduced) the
   difference is only summation order, like the float formats.
-  With ``cpu.set_activation_precise(False)`` (or $SPARSEINFER_ACT_INT8=1) the kernels use the
-  single term q_hi only; use ``precise=False`` here for that contract (bound with d_hi/2).
 - `axpy_rows` never quantizes its coefficients h: float contract for every format.
 """
 from __future__ import annotations
@@ -83,7 +86,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     """The kernels' 8-bit activation quantizer: (q int8 (Kp,), d f32 (nb,), s f32 (nb,)).
 
     Per block of 32 (x padded with zeros): d = amax/127, q = round(x * (127/amax)) (ties to
-    even), s = exact sum of the block (used for the ``m`` term)."""
+    even), s = d * sum(q) in f32 (the block's sum as the products see it; for the ``m`` term)."""
     x = x.float().reshape(-1)
     kp = padded(x.numel())
     xp = torch.zeros(kp)
@@ -92,27 +95,37 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     amax = b.abs().amax(-1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     q = torch.round(b * inv[:, None]).to(torch.int8)
-    return q.reshape(kp), amax / 127.0, b.sum(-1)
+    d = amax / 127.0
+    return q.reshape(kp), d, d * q.sum(-1, dtype=torch.int32).float()
+
+
+MODES = ("int8", "precise")
 
 
 def quantize_activation2(x: torch.Tensor):
-    """The kernels' two-term activation quantizer (precise mode):
-    (q_hi, d_hi, q_lo, d_lo, s).  q_hi, d_hi, s as `quantize_activation`; q_lo, d_lo are
-    `quantize_activation` of the f32 residual ``x - d_hi*q_hi`` (product rounded to f32, then
-    the difference)."""
+    """The kernels' two-term activation quantizer ("precise"): (q_hi, d_hi, q_lo, d_lo, s).
+    q_hi, d_hi as `quantize_activation`; q_lo, d_lo are `quantize_activation` of the f32
+    residual ``x - d_hi*q_hi`` (product rounded to f32, then the difference); s (float64) =
+    the two terms' block sums added."""
     x = x.float().reshape(-1)
-    qh, dh, s = quantize_activation(x)
+    qh, dh, sh = quantize_activation(x)
     kp = qh.numel()
     xp = torch.zeros(kp)
     xp[: x.numel()] = x
     r = xp.view(-1, BLOCK) - dh[:, None] * qh.view(-1, BLOCK).float()
-    ql, dl, _ = quantize_activation(r.reshape(kp)[: x.numel()])
-    return qh, dh, ql, dl, s
+    ql, dl, sl = quantize_activation(r.reshape(kp)[: x.numel()])
+    return qh, dh, ql, dl, sh.double() + sl.double()
 
 
-def activation_rounded(x: torch.Tensor, precise: bool = True) -> torch.Tensor:
-    """(nb, 32) float64: x as the integer-format kernels see it (padded with zeros)."""
-    if precise:
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"activation mode must be one of {MODES} (got {mode!r})")
+
+
+def activation_rounded(x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
+    """(nb, 32) float64: x as the integer-format kernels see it in `mode` (padded with zeros)."""
+    _check_mode(mode)
+    if mode == "precise":
         qh, dh, ql, dl, _ = quantize_activation2(x)
         return (qh.double().view(-1, BLOCK) * dh.double()[:, None]
                 + ql.double().view(-1, BLOCK) * dl.double()[:, None])
@@ -120,15 +133,15 @@ def activation_rounded(x: torch.Tensor, precise: bool = True) -> torch.Tensor:
     return q.double().view(-1, BLOCK) * d.double()[:, None]
 
 
-def gemv_emulated(w: QWeight, x: torch.Tensor, precise: bool = True) -> torch.Tensor:
-    """y = W x for q8/q4 with x rounded exactly as the fast kernels do (float64 result);
-    precise=False: the single-int8-term mode."""
-    _, _, s = quantize_activation(x)
-    xdq = activation_rounded(x, precise)  # (nb, 32)
+def gemv_emulated(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
+    """y = W x for q8/q4 with x rounded exactly as the fast kernels do in `mode` (float64)."""
+    _check_mode(mode)
+    s = quantize_activation2(x)[4] if mode == "precise" else quantize_activation(x)[2].double()
+    xdq = activation_rounded(x, mode)  # (nb, 32)
     wq = (w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()).view(w.rows, -1, BLOCK)
     y = torch.einsum("rbk,bk,rb->r", wq, xdq, w.d.double())
     if w.m is not None:
-        y = y + w.m.double() @ s.double()
+        y = y + w.m.double() @ s
     return y
 
 
@@ -144,14 +157,15 @@ def magnitude(w: QWeight) -> torch.Tensor:
     return a.reshape(w.rows, -1)[:, : w.cols]
 
 
-def error_bound(w: QWeight, x: torch.Tensor, precise: bool = True) -> torch.Tensor:
-    """Per-row bound of |fast - reference| for gemv, from the contract above (float64);
-    precise=False: the single-int8-term mode."""
+def error_bound(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
+    """Per-row bound of |fast - reference| for gemv in activation `mode`, from the contract
+    above (float64)."""
+    _check_mode(mode)
     xd = x.double().reshape(-1)
     fl = 1e-5 * (magnitude(w) @ xd.abs()) + 1e-30
     if w.fmt not in ("q8", "q4"):
         return fl
-    d = quantize_activation2(x)[3] if precise else quantize_activation(x)[1]
+    d = quantize_activation2(x)[3] if mode == "precise" else quantize_activation(x)[1]
     kp = padded(w.cols)
     wa = torch.zeros(w.rows, kp, dtype=torch.float64)
     wa[:, : w.cols] = w.dequantize().double().abs()

@@ -30,6 +30,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--dense", action="store_true", help="ignore the sparsity pack next to the model")
     g.add_argument("--sparse", default=None, metavar="PACK", help="use this sparsity pack (default: MODEL.sparse if present)")
+    p.add_argument("--act-mode", default="auto", choices=("auto", "int8", "precise"),
+                   help="activation rounding for 4/8-bit weights (see `sparseinfer run --help`)")
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug logs")
 
 
@@ -56,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
         raise SparseInferError(f"--parallel must be >= 1 (got {args.parallel})")
     t0 = time.perf_counter()
     llm = load(args.model, ctx_size=args.ctx_size, threads=args.threads, device=args.device,
-               vram_budget=args.vram_budget, n_seq=args.parallel, dense=args.dense, sparse=args.sparse or "auto")
+               vram_budget=args.vram_budget, n_seq=args.parallel, dense=args.dense, sparse=args.sparse or "auto",
+               act_mode=getattr(args, "act_mode", "auto"))
     settings = Settings.for_model(llm, args.model, args.alias, args.api_key)
     print(f"loaded {settings.model_id} ({llm.info.path}) in {time.perf_counter() - t0:.1f}s; "
           f"{args.parallel} slot(s) x {llm.ctx_size} tokens", file=sys.stderr)
