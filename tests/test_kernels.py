@@ -521,3 +521,30 @@ def test_dequantize_and_f32_product_without_extension(monkeypatch):
     assert torch.equal(cpu.dequantize_rows(w, 3, 9), w.dequantize()[3:9])
     x = rand(7, 40)
     torch.testing.assert_close(cpu.matmul_f32(w, x), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- decode attention
+
+@pytest.mark.parametrize("H,Hk,D,L", [(12, 2, 128, 600), (9, 3, 64, 1), (4, 4, 33, 17), (8, 1, 16, 13), (16, 2, 8, 9)])
+def test_attend1_matches_float64_attention(level, threads, H, Hk, D, L):
+    """One query per head over L cached positions held in a longer cache (views), GQA
+    included, against float64 softmax attention with repeated K/V; same bits at 1 and 2
+    threads."""
+    g = torch.Generator().manual_seed(H * L)
+    cap = L + 7
+    kc, vc = torch.randn(1, Hk, cap, D, generator=g) * 2, torch.randn(1, Hk, cap, D, generator=g)
+    k, v = kc[:, :, :L], vc[:, :, :L]
+    q = torch.randn(1, H, 1, D, generator=g) * 2
+    kr, vr = k.double().repeat_interleave(H // Hk, 1), v.double().repeat_interleave(H // Hk, 1)
+    want = torch.softmax(q.double() @ kr.transpose(-1, -2) / D ** 0.5, -1) @ vr
+    threads(2)
+    got = cpu.attend1(q, k, v)
+    assert got.shape == (1, H, 1, D)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(v.abs().max()))
+    threads(1)
+    assert torch.equal(cpu.attend1(q, k, v), got)
+
+
+def test_attend1_falls_back_for_other_inputs():
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)  # 3 queries
+    assert torch.allclose(cpu.attend1(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))

@@ -308,6 +308,23 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_RETURN_NONE;
 }
 
+/* attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale): single-token attention, see ops.c */
+static PyObject *py_attend1(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *q, *k, *v, *o;
+    int64_t H, Hk, D, L, ks, vs;
+    if (!nargs_ok(na, 11, "attend1") || get_ptr(a[0], &q) || get_ptr(a[1], &k) || get_ptr(a[2], &v) ||
+        get_ptr(a[3], &o) || get_i64(a[4], &H) || get_i64(a[5], &Hk) || get_i64(a[6], &D) || get_i64(a[7], &L) ||
+        get_i64(a[8], &ks) || get_i64(a[9], &vs))
+        return NULL;
+    double scale = PyFloat_AsDouble(a[10]);
+    if (scale == -1.0 && PyErr_Occurred()) return NULL;
+    if (H < 1 || Hk < 1 || H % Hk || D < 1 || L < 1 || (Hk > 1 && (ks < L * D || vs < L * D)))
+        return PyErr_Format(PyExc_ValueError, "attend1: bad shape");
+    if (!q || !k || !v || !o) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    si_attend1(q, k, v, o, H, Hk, D, L, ks, vs, (float)scale);  /* tens of microseconds: keep the GIL */
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
@@ -322,6 +339,7 @@ static PyMethodDef methods[] = {
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
+    {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

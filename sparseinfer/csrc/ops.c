@@ -99,8 +99,8 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
 
 /* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
  * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
- * 4 = axpy partial sums. */
-static _Thread_local struct { void *p; size_t n; } TLS[5];
+ * 4 = axpy partial sums, 5 = attention scores. */
+static _Thread_local struct { void *p; size_t n; } TLS[6];
 
 static void *scratch(int slot, size_t n) {
     if (TLS[slot].n < n) {
@@ -596,6 +596,147 @@ void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t
         float scale = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
         for (i = 0; i < n; i++) yr[i] = (xr[i] * scale) * w[i];
     }
+}
+
+/* ------------------------------------------------------------ single-token attention
+ * o[h] = softmax(scale * q[h] . K[h/g]^T) V[h/g] for one query per head, g = H/Hk (query
+ * head h reads KV head h // g, as repeat_kv does), over L cached positions.  K, V rows (D
+ * floats) are contiguous, KV heads kstride / vstride floats apart.  A task takes up to 8
+ * query heads of one KV head and reads that head's K and V once for all of them.  Each
+ * head's sums run in a fixed order: results do not depend on the thread count. */
+typedef struct {
+    const float *q, *k, *v;
+    float *o, *sc;
+    int64_t H, Hk, D, L, kstride, vstride, per, ntask_kv;
+    float scale;
+    int simd;
+} att_ctx;
+
+#define ATT_MAXG 8
+
+static void att_scalar(const att_ctx *a, const float *K, const float *V, int64_t h0, int n) {
+    const int64_t D = a->D, L = a->L;
+    for (int j = 0; j < n; j++) {
+        const float *q = a->q + (h0 + j) * D;
+        float *s = a->sc + (h0 + j) * L;
+        for (int64_t l = 0; l < L; l++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < D; i++) acc += q[i] * K[l * D + i];
+            s[l] = acc * a->scale;
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        float *s = a->sc + (h0 + j) * L, *o = a->o + (h0 + j) * D, mx = -INFINITY;
+        for (int64_t l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
+        double sum = 0.0;
+        for (int64_t l = 0; l < L; l++) sum += (s[l] = expf(s[l] - mx));
+        const float inv = (float)(1.0 / sum);
+        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        for (int64_t l = 0; l < L; l++)
+            for (int64_t i = 0; i < D; i++) o[i] += (s[l] * inv) * V[l * D + i];
+    }
+}
+
+#if SI_X86
+#include <immintrin.h>
+__attribute__((target("avx2,fma"))) static float att_hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = n ln2 + r,
+ * |r| <= ln2/2, degree-6 Taylor polynomial of e^r (relative error ~2e-7, below the f32 sums
+ * around it); inputs below -87 give 0. */
+__attribute__((target("avx2,fma"))) static __m256 att_exp(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* D a multiple of 8: each K row is loaded once for the n query heads; V is read in column
+ * strips of 8 so the n output accumulators stay in registers. */
+__attribute__((target("avx2,fma"))) static void att_avx2(const att_ctx *a, const float *K, const float *V, int64_t h0, int n) {
+    const int64_t D = a->D, L = a->L;
+    const float *q = a->q + h0 * D;
+    float *sc = a->sc + h0 * L;
+    for (int64_t l = 0; l < L; l++) {
+        __m256 acc[ATT_MAXG];
+        for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < D; i += 8) {
+            __m256 kv = _mm256_loadu_ps(K + l * D + i);
+            for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), kv, acc[j]);
+        }
+        for (int j = 0; j < n; j++) sc[j * L + l] = att_hsum(acc[j]) * a->scale;
+    }
+    for (int j = 0; j < n; j++) {
+        float *s = sc + j * L, mx = -INFINITY;
+        for (int64_t l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t l = 0;
+        for (; l + 8 <= L; l += 8) {
+            __m256 e = att_exp(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
+            _mm256_storeu_ps(s + l, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = att_hsum(vsum);
+        for (; l < L; l++) sum += (s[l] = expf(s[l] - mx));
+        const float inv = 1.0f / sum;
+        for (l = 0; l < L; l++) s[l] *= inv;
+    }
+    for (int64_t i = 0; i < D; i += 8) {
+        __m256 acc[ATT_MAXG];
+        for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+        for (int64_t l = 0; l < L; l++) {
+            __m256 vv = _mm256_loadu_ps(V + l * D + i);
+            for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j * L + l]), vv, acc[j]);
+        }
+        for (int j = 0; j < n; j++) _mm256_storeu_ps(a->o + (h0 + j) * D + i, acc[j]);
+    }
+}
+#endif
+
+static void att_task(void *p, int64_t t) {
+    const att_ctx *a = p;
+    const int64_t g = a->H / a->Hk, kh = t / a->ntask_kv, part = t % a->ntask_kv;
+    const int64_t h0 = kh * g + part * a->per, h1 = h0 + a->per < (kh + 1) * g ? h0 + a->per : (kh + 1) * g;
+    const float *K = a->k + kh * a->kstride, *V = a->v + kh * a->vstride;
+    if (h1 <= h0) return;
+#if SI_X86
+    if (a->simd) {
+        att_avx2(a, K, V, h0, (int)(h1 - h0));
+        return;
+    }
+#endif
+    att_scalar(a, K, V, h0, (int)(h1 - h0));
+}
+
+void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
+                int64_t L, int64_t kstride, int64_t vstride, float scale) {
+    float *sc = scratch(5, (size_t)(H * L + 16) * sizeof(float));
+    if (!sc) abort();
+    const int64_t g = H / Hk;
+    /* split each KV head's query heads into parts of <= 8, and into more parts when there are
+     * fewer KV heads than threads */
+    int64_t parts = (g + ATT_MAXG - 1) / ATT_MAXG, want = (nthreads() + Hk - 1) / Hk;
+    if (parts < want) parts = want < g ? want : g;
+    att_ctx a = {q, k, v, o, sc, H, Hk, D, L, kstride, vstride, (g + parts - 1) / parts, parts, scale, 0};
+    a.simd = SI_X86 && D % 8 == 0 && strcmp(si_level(), "scalar") != 0;
+    run(att_task, &a, Hk * parts, H * L * D * 8);
 }
 
 /* ------------------------------------------------------------------ dequantize rows

@@ -20,6 +20,8 @@ void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *
                    const float *x, const int32_t *rows, int64_t n, float *y);
 void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, float *s);
 void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);
+void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
+                int64_t L, int64_t kstride, int64_t vstride, float scale);
 void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
 double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps);
 double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps);

@@ -27,7 +27,7 @@ except ImportError as e:  # no compiler at install time
     _cpu = None
     _IMPORT_ERROR = e
 
-__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "matmul_f32", "dequantize_rows", "set_num_threads",
+__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
@@ -292,6 +292,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     _cpu.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n if n else 0, n, float(eps))
     return y
+
+
+def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of one new query per head over all L cached positions (decode: no mask),
+    scale 1/sqrt(D): q (1, H, 1, D), k and v (1, Hk, L, D) with H a multiple of Hk (GQA: head
+    h reads KV head h // (H/Hk)), float32 CPU; K and V may be views into a longer cache (rows
+    of D contiguous floats).  Returns (1, H, 1, D), `F.scaled_dot_product_attention` with
+    repeated K/V to f32 rounding, on the kernel threads (torch's runs on one here); falls back
+    to torch for other inputs."""
+    B, H, T, D = q.shape
+    Hk, L = k.shape[1], k.shape[2]
+    ok = (_cpu is not None and B == 1 and T == 1 and L >= 1 and H % Hk == 0 and q.dtype is _F32
+          and k.dtype is _F32 and v.dtype is _F32 and q.is_cpu and k.is_cpu and v.is_cpu and k.shape == v.shape
+          and k.stride(3) == 1 and k.stride(2) == D and v.stride(3) == 1 and v.stride(2) == D)
+    if not ok:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hk)
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    _cpu.attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), H, Hk, D, L, k.stride(1), v.stride(1), D ** -0.5)
+    return o
 
 
 def _store(y, out):

@@ -306,6 +306,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     T, L = q.shape[2], k.shape[2]
     B, H, _, D = q.shape
     Hk = k.shape[1]
+    if T == 1 and q.is_cpu:
+        # One query per head, no mask: our C kernel on the kernel threads, reading each KV head
+        # once for its query heads (0.08 vs 0.14 ms per call at 600 cached tokens, 12/2 heads
+        # of 128, 2 threads; torch's SDPA runs on its one thread here).
+        return _cpu_kernels().attend1(q, k, v)
     if T == 1 and H != Hk:
         # One query per head and no mask: the g = H/Hk query heads that share a KV head (head h
         # uses KV head h // g, as repeat_kv does) become g query rows of that KV head, so K/V
