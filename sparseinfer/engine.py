@@ -108,8 +108,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     CPU kernels round activations for 4/8-bit weights, see `set_act_mode`."""
     from .io.tokenizer import Tokenizer
 
-    if act_mode not in ACT_MODES:
-        raise SparseInferError(f"act_mode must be one of {', '.join(ACT_MODES)} (got {act_mode!r})")
+    _check_act_mode(act_mode)  # before the load, which can take a while
     set_threads(threads or os.cpu_count() or 1)
     t0 = time.perf_counter()
     p = catalog.resolve(None if path is None else str(path))
@@ -160,6 +159,11 @@ AUTO_PRECISE_MAX_BYTES = 256 << 20
 ACT_MODES = ("auto", "int8", "precise")
 
 
+def _check_act_mode(mode: str) -> None:
+    if mode not in ACT_MODES:
+        raise SparseInferError(f"act_mode must be one of {', '.join(ACT_MODES)} (got {mode!r})")
+
+
 def set_act_mode(mode: str, model: torch.nn.Module | None = None) -> str:
     """How the CPU kernels round activations for 4/8-bit weights (process-wide); returns the
     mode in effect.  "int8": one int8 term per block of 32, llama.cpp's Q8 activations
@@ -170,8 +174,7 @@ def set_act_mode(mode: str, model: torch.nn.Module | None = None) -> str:
     from .hybrid.plan import model_bytes
     from .kernels import cpu
 
-    if mode not in ACT_MODES:
-        raise SparseInferError(f"act_mode must be one of {', '.join(ACT_MODES)} (got {mode!r})")
+    _check_act_mode(mode)
     if mode == "auto":
         env = os.environ.get("SPARSEINFER_ACT_MODE")
         if env:

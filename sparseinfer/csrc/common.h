@@ -92,6 +92,15 @@ typedef struct {
 /* de of one token from its block scales d (layout as described above) */
 void si_fill_de(int layout, int64_t nb, const float *d, float *de);
 
+/* Single-token attention of n query heads (rows of q, D floats) over one KV head's L rows of
+ * K and V: scores in sc (n x L), output rows in o; D a multiple of 8, n <= SI_ATT_MAXG.
+ * ops.c's si_attend1 splits the heads and has the portable version. */
+#define SI_ATT_MAXG 8
+#if SI_X86
+void si_attend_heads_avx2(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
+                          int64_t L, float scale);
+#endif
+
 extern const kernels_t si_kernels_scalar;
 #if SI_X86
 extern const kernels_t si_kernels_avx2;

@@ -612,103 +612,25 @@ typedef struct {
     int simd;
 } att_ctx;
 
-#define ATT_MAXG 8
-
-static void att_scalar(const att_ctx *a, const float *K, const float *V, int64_t h0, int n) {
-    const int64_t D = a->D, L = a->L;
+/* The portable version of si_attend_heads_avx2 (same arguments, see common.h). */
+static void attend_heads(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
+                         int64_t L, float scale) {
     for (int j = 0; j < n; j++) {
-        const float *q = a->q + (h0 + j) * D;
-        float *s = a->sc + (h0 + j) * L;
+        float *s = sc + j * L, mx = -INFINITY;
         for (int64_t l = 0; l < L; l++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < D; i++) acc += q[i] * K[l * D + i];
-            s[l] = acc * a->scale;
+            for (int64_t i = 0; i < D; i++) acc += q[j * D + i] * K[l * D + i];
+            s[l] = acc * scale;
+            mx = s[l] > mx ? s[l] : mx;
         }
-    }
-    for (int j = 0; j < n; j++) {
-        float *s = a->sc + (h0 + j) * L, *o = a->o + (h0 + j) * D, mx = -INFINITY;
-        for (int64_t l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
         double sum = 0.0;
         for (int64_t l = 0; l < L; l++) sum += (s[l] = expf(s[l] - mx));
         const float inv = (float)(1.0 / sum);
-        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+        for (int64_t i = 0; i < D; i++) o[j * D + i] = 0.0f;
         for (int64_t l = 0; l < L; l++)
-            for (int64_t i = 0; i < D; i++) o[i] += (s[l] * inv) * V[l * D + i];
+            for (int64_t i = 0; i < D; i++) o[j * D + i] += (s[l] * inv) * V[l * D + i];
     }
 }
-
-#if SI_X86
-#include <immintrin.h>
-__attribute__((target("avx2,fma"))) static float att_hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-/* e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = n ln2 + r,
- * |r| <= ln2/2, degree-6 Taylor polynomial of e^r (relative error ~2e-7, below the f32 sums
- * around it); inputs below -87 give 0. */
-__attribute__((target("avx2,fma"))) static __m256 att_exp(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-/* D a multiple of 8: each K row is loaded once for the n query heads; V is read in column
- * strips of 8 so the n output accumulators stay in registers. */
-__attribute__((target("avx2,fma"))) static void att_avx2(const att_ctx *a, const float *K, const float *V, int64_t h0, int n) {
-    const int64_t D = a->D, L = a->L;
-    const float *q = a->q + h0 * D;
-    float *sc = a->sc + h0 * L;
-    for (int64_t l = 0; l < L; l++) {
-        __m256 acc[ATT_MAXG];
-        for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 8) {
-            __m256 kv = _mm256_loadu_ps(K + l * D + i);
-            for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), kv, acc[j]);
-        }
-        for (int j = 0; j < n; j++) sc[j * L + l] = att_hsum(acc[j]) * a->scale;
-    }
-    for (int j = 0; j < n; j++) {
-        float *s = sc + j * L, mx = -INFINITY;
-        for (int64_t l = 0; l < L; l++) mx = s[l] > mx ? s[l] : mx;
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t l = 0;
-        for (; l + 8 <= L; l += 8) {
-            __m256 e = att_exp(_mm256_sub_ps(_mm256_loadu_ps(s + l), vmx));
-            _mm256_storeu_ps(s + l, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = att_hsum(vsum);
-        for (; l < L; l++) sum += (s[l] = expf(s[l] - mx));
-        const float inv = 1.0f / sum;
-        for (l = 0; l < L; l++) s[l] *= inv;
-    }
-    for (int64_t i = 0; i < D; i += 8) {
-        __m256 acc[ATT_MAXG];
-        for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t l = 0; l < L; l++) {
-            __m256 vv = _mm256_loadu_ps(V + l * D + i);
-            for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j * L + l]), vv, acc[j]);
-        }
-        for (int j = 0; j < n; j++) _mm256_storeu_ps(a->o + (h0 + j) * D + i, acc[j]);
-    }
-}
-#endif
 
 static void att_task(void *p, int64_t t) {
     const att_ctx *a = p;
@@ -716,13 +638,11 @@ static void att_task(void *p, int64_t t) {
     const int64_t h0 = kh * g + part * a->per, h1 = h0 + a->per < (kh + 1) * g ? h0 + a->per : (kh + 1) * g;
     const float *K = a->k + kh * a->kstride, *V = a->v + kh * a->vstride;
     if (h1 <= h0) return;
+    void (*fn)(const float *, const float *, const float *, float *, float *, int, int64_t, int64_t, float) = attend_heads;
 #if SI_X86
-    if (a->simd) {
-        att_avx2(a, K, V, h0, (int)(h1 - h0));
-        return;
-    }
+    if (a->simd) fn = si_attend_heads_avx2;
 #endif
-    att_scalar(a, K, V, h0, (int)(h1 - h0));
+    fn(a->q + h0 * a->D, K, V, a->sc + h0 * a->L, a->o + h0 * a->D, (int)(h1 - h0), a->D, a->L, a->scale);
 }
 
 void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
@@ -732,7 +652,7 @@ void si_attend1(const float *q, const float *k, const float *v, float *o, int64_
     const int64_t g = H / Hk;
     /* split each KV head's query heads into parts of <= 8, and into more parts when there are
      * fewer KV heads than threads */
-    int64_t parts = (g + ATT_MAXG - 1) / ATT_MAXG, want = (nthreads() + Hk - 1) / Hk;
+    int64_t parts = (g + SI_ATT_MAXG - 1) / SI_ATT_MAXG, want = (nthreads() + Hk - 1) / Hk;
     if (parts < want) parts = want < g ? want : g;
     att_ctx a = {q, k, v, o, sc, H, Hk, D, L, kstride, vstride, (g + parts - 1) / parts, parts, scale, 0};
     a.simd = SI_X86 && D % 8 == 0 && strcmp(si_level(), "scalar") != 0;
@@ -743,7 +663,7 @@ void si_attend1(const float *q, const float *k, const float *v, float *o, int64_
  * out[(r - r0) * cols + j] = W[r][j] in float32 for r in [r0, r1), exactly the reference's
  * value (d*q + m, one rounding per operation).  Prefill multiplies many tokens by each
  * weight: there, an f32 matrix product on a dequantized slice of rows beats the integer
- * kernels (their activations are re-quantized in two int8 terms), and this costs ~1 ns per
+ * kernels (their activations are re-quantized per block of 32), and this costs ~1 ns per
  * weight, a few percent of the product. */
 typedef struct {
     const qmat_t *w;

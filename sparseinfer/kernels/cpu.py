@@ -344,7 +344,7 @@ def get_num_threads() -> int:
     return _cpu.get_num_threads() if _cpu is not None else 1
 
 
-ACTIVATION_MODES = ("int8", "precise")
+ACTIVATION_MODES = reference.MODES  # ("int8", "precise"), indexed as the core's ACT_* values
 
 
 def set_activation_mode(mode: str) -> None:
