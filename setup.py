@@ -14,6 +14,7 @@ from setuptools import Extension, setup
 SOURCES = [
     "sparseinfer/csrc/module.c",
     "sparseinfer/csrc/ops.c",
+    "sparseinfer/csrc/decode.c",
     "sparseinfer/csrc/pool.c",
     "sparseinfer/csrc/kern_scalar.c",
     "sparseinfer/csrc/kern_avx2.c",

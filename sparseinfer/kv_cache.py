@@ -16,6 +16,8 @@ class LayerKV:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.length = 0
+        # the fused decode step (csrc/decode.c) writes float32 CPU buffers itself
+        self.on_cpu_f32 = dtype == torch.float32 and torch.device(device).type == "cpu"
 
     def _ensure(self, k: torch.Tensor, need: int) -> None:
         if need > self.max_len:
@@ -43,6 +45,17 @@ class LayerKV:
         self.v[:, :, self.length : self.length + T] = v
         self.length += T
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def slot(self, n_kv_heads: int, d_head: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(k, v, pos): the whole (1, n_kv_heads, capacity, d_head) buffers with room for one more
+        token at row `pos` (= length), for a kernel that writes that row itself; `advance()`
+        afterwards counts it."""
+        if self.k is None or self.length >= self.k.shape[2]:
+            self._ensure(torch.empty(1, n_kv_heads, 0, d_head, dtype=self.dtype), self.length + 1)
+        return self.k, self.v, self.length
+
+    def advance(self, n: int = 1) -> None:
+        self.length += n
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)

@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
+#include <math.h>
 
 /* x86 SIMD kernels and run-time dispatch; elsewhere (or with -DSI_FORCE_SCALAR, used to test
  * that build on x86) only the scalar kernels exist. */
@@ -137,6 +138,16 @@ static inline int64_t si_xpos(int layout, int64_t nb, int64_t b, int j) {
         return g * 128 + (j < 16 ? i * 16 + j : 64 + i * 16 + (j - 16));
     }
     return b * 32 + j;
+}
+
+/* The FFN activations by code (ACT_*), one float at a time. */
+static inline float si_act_apply(int act, float v) {
+    switch (act) {
+    case ACT_SILU: return v / (1.0f + expf(-v));
+    case ACT_RELU: return v > 0.0f ? v : 0.0f;
+    case ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    default: return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    }
 }
 
 /* Number of lanes of `de` per token for a given kp (both layouts fit in 8 per block). */

@@ -325,6 +325,69 @@ static PyObject *py_attend1(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     Py_RETURN_NONE;
 }
 
+static int get_f32(PyObject *o, float *v) {
+    double d = PyFloat_AsDouble(o);
+    if (d == -1.0 && PyErr_Occurred()) return -1;
+    *v = (float)d;
+    return 0;
+}
+
+/* decode_attn(x, xo, n, norm_w, eps, q[6], k[6], v[6], bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc,
+ *             kstride, vstride, pos, o[6], o_bias, scale): one token through a pre-norm
+ * attention half-block, see decode.c.  k and v fmt -1: q is the fused q/k/v weight (bq its
+ * bias); bias pointers may be 0; n_rot 0 = no rotary. */
+static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t q, k, v, o;
+    int knone, vnone;
+    void *x, *xo, *nw, *bq, *bk, *bv, *cs, *sn, *kc, *vc, *ob;
+    int64_t n, H, Hk, D, nrot, ks, vs, pos;
+    float eps, scale;
+    if (!nargs_ok(na, 45, "decode_attn") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
+        get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_qmat(a + 5, &q, 0, NULL) || get_qmat(a + 11, &k, 1, &knone) ||
+        get_qmat(a + 17, &v, 1, &vnone) || get_ptr(a[23], &bq) || get_ptr(a[24], &bk) || get_ptr(a[25], &bv) ||
+        get_i64(a[26], &H) || get_i64(a[27], &Hk) || get_i64(a[28], &D) || get_i64(a[29], &nrot) ||
+        get_ptr(a[30], &cs) || get_ptr(a[31], &sn) || get_ptr(a[32], &kc) || get_ptr(a[33], &vc) ||
+        get_i64(a[34], &ks) || get_i64(a[35], &vs) || get_i64(a[36], &pos) || get_qmat(a + 37, &o, 0, NULL) ||
+        get_ptr(a[43], &ob) || get_f32(a[44], &scale))
+        return NULL;
+    int bad = n < 1 || H < 1 || Hk < 1 || H % Hk || D < 1 || pos < 0 || nrot < 0 || nrot > D || nrot % 2 ||
+              knone != vnone || q.cols != n || o.cols != H * D || o.rows != n ||
+              (Hk > 1 && (ks < (pos + 1) * D || vs < (pos + 1) * D));
+    if (knone) bad |= q.rows != (H + 2 * Hk) * D || bk || bv;
+    else bad |= q.rows != H * D || k.rows != Hk * D || v.rows != Hk * D || k.cols != n || v.cols != n;
+    if (bad) return PyErr_Format(PyExc_ValueError, "decode_attn: inconsistent shapes");
+    if (!x || !xo || !nw || !kc || !vc || (nrot && (!cs || !sn))) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_decode_attn(x, xo, n, nw, eps, &q, knone ? NULL : &k, vnone ? NULL : &v, bq, bk, bv, H, Hk, D, nrot, cs, sn, kc,
+                   vc, ks, vs, pos, &o, ob, scale);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate[6], up[6], F, down[6]): one token through
+ * a pre-norm gated MLP half-block, see decode.c; up fmt -1: gate is the fused gate/up weight */
+static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t g, u, dn;
+    int unone;
+    void *x, *xo, *nw;
+    int64_t n, act, relu_up, F;
+    float eps;
+    if (!nargs_ok(na, 26, "decode_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
+        get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_i64(a[5], &act) || get_i64(a[6], &relu_up) ||
+        get_qmat(a + 7, &g, 0, NULL) || get_qmat(a + 13, &u, 1, &unone) || get_i64(a[19], &F) ||
+        get_qmat(a + 20, &dn, 0, NULL))
+        return NULL;
+    if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
+    int bad = n < 1 || F < 1 || g.cols != n || dn.cols != F || dn.rows != n;
+    bad |= unone ? g.rows != 2 * F : (g.rows != F || u.rows != F || u.cols != n);
+    if (bad) return PyErr_Format(PyExc_ValueError, "decode_mlp: inconsistent shapes");
+    if (!x || !xo || !nw) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_decode_mlp(x, xo, n, nw, eps, (int)act, relu_up != 0, &g, unone ? NULL : &u, F, &dn);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
@@ -340,6 +403,8 @@ static PyMethodDef methods[] = {
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out)"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
+    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*6, k*6, v*6, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*6, o_bias, scale)"},
+    {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*6, up*6, F, down*6)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

@@ -99,10 +99,10 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
 
 /* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
  * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
- * 4 = axpy partial sums, 5 = attention scores. */
-static _Thread_local struct { void *p; size_t n; } TLS[6];
+ * 4 = axpy partial sums, 5 = attention scores, 6 = fused decode steps (decode.c). */
+static _Thread_local struct { void *p; size_t n; } TLS[7];
 
-static void *scratch(int slot, size_t n) {
+void *si_scratch(int slot, size_t n) {
     if (TLS[slot].n < n) {
         free(TLS[slot].p);
         n = (n + 4095) & ~(size_t)4095;
@@ -115,6 +115,8 @@ static void *scratch(int slot, size_t n) {
     }
     return TLS[slot].p;
 }
+
+#define scratch si_scratch
 
 static int64_t up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -427,15 +429,6 @@ void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t
 
 /* ------------------------------------------------------------------------ sparse FFN */
 
-static inline float act_apply(int act, float v) {
-    switch (act) {
-    case ACT_SILU: return v / (1.0f + expf(-v));
-    case ACT_RELU: return v > 0.0f ? v : 0.0f;
-    case ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
-    default: return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
-    }
-}
-
 typedef struct {
     const kernels_t *k;
     int act;
@@ -460,9 +453,9 @@ static void ffn_task(void *p, int64_t c) {
     ffn_dot(a->k, a->up, a->xu, a->x, a->rows, i0, i1, a->h);
     if (a->gate) {
         ffn_dot(a->k, a->gate, a->xg, a->x, a->rows, i0, i1, a->g);
-        for (int64_t i = i0; i < i1; i++) a->h[i] *= act_apply(a->act, a->g[i]);
+        for (int64_t i = i0; i < i1; i++) a->h[i] *= si_act_apply(a->act, a->g[i]);
     } else {
-        for (int64_t i = i0; i < i1; i++) a->h[i] = act_apply(a->act, a->h[i]);
+        for (int64_t i = i0; i < i1; i++) a->h[i] = si_act_apply(a->act, a->h[i]);
     }
 }
 

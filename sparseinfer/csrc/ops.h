@@ -23,6 +23,16 @@ void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);
 void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
                 int64_t L, int64_t kstride, int64_t vstride, float scale);
 void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
+/* grow-only per-thread buffer `slot` (0..6, see ops.c) of at least n bytes, 64-byte aligned */
+void *si_scratch(int slot, size_t n);
+/* fused single-token decode steps of a pre-norm transformer block (decode.c) */
+void si_decode_attn(const float *x, float *xo, int64_t n, const float *norm_w, float eps, const qmat_t *q,
+                    const qmat_t *k, const qmat_t *v, const float *bq, const float *bk, const float *bv, int64_t H,
+                    int64_t Hk, int64_t D, int64_t n_rot, const float *cos, const float *sin, float *kc, float *vc,
+                    int64_t kstride, int64_t vstride, int64_t pos, const qmat_t *o, const float *o_bias,
+                    float scale);
+void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps, int act, int relu_up,
+                   const qmat_t *gate, const qmat_t *upm, int64_t F, const qmat_t *down);
 double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps);
 double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps);
 

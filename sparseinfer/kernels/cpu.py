@@ -27,7 +27,7 @@ except ImportError as e:  # no compiler at install time
     _cpu = None
     _IMPORT_ERROR = e
 
-__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
+__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "decode_attn", "decode_mlp", "matmul_f32", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
@@ -312,6 +312,71 @@ def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     o = torch.empty_like(q)
     _cpu.attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), H, Hk, D, L, k.stride(1), v.stride(1), D ** -0.5)
     return o
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check_f32(t, what):
+    if t is not None and (t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous()):
+        raise ValueError(f"{what} must be a contiguous float32 CPU tensor")
+
+
+def decode_attn(x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                qkv: tuple[QWeight, QWeight | None, QWeight | None],
+                biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                n_heads: int, n_kv_heads: int, d_head: int, n_rot: int, cos: torch.Tensor | None,
+                sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, o: QWeight,
+                o_bias: torch.Tensor | None) -> torch.Tensor:
+    """One token through a pre-norm attention half-block in one call (csrc/decode.c):
+    ``x + o(attend(rope(qkv(rms_norm(x))))) (+ o_bias)``, writing this token's rotated k and v
+    at row `pos` of the caches (n_kv_heads, capacity, d_head) and attending over rows 0..pos.
+    qkv: the q, k, v weights (rows n_heads*d_head, n_kv_heads*d_head twice), or (fused, None,
+    None) with all rows stacked; biases likewise.  cos/sin: the rotary rows (n_rot values,
+    rotate-half) of this token's position.  Float32 contiguous CPU tensors; x has n =
+    q.cols values.  Needs the compiled core."""
+    if _cpu is None:
+        raise RuntimeError("decode_attn needs the compiled kernels (sparseinfer._cpu)")
+    q, k, v = qkv
+    n = q.cols
+    for t, what in ((x, "x"), (norm_w, "norm_w"), (k_cache, "k_cache"), (v_cache, "v_cache"), (biases[0], "bias"),
+                    (biases[1], "bias"), (biases[2], "bias"), (o_bias, "o_bias"), (cos, "cos"), (sin, "sin")):
+        _check_f32(t, what)
+    cap = k_cache.shape[-2]
+    if x.numel() != n or norm_w.numel() != n or k_cache.shape != v_cache.shape or k_cache.numel() != n_kv_heads * cap * d_head \
+            or not 0 <= pos < cap or (n_rot and (cos is None or sin is None or cos.numel() < n_rot or sin.numel() < n_rot)):
+        raise ValueError("decode_attn: inconsistent shapes")
+    y = torch.empty(n, dtype=_F32)
+    _cpu.decode_attn(x.data_ptr(), y.data_ptr(), n, norm_w.data_ptr(), float(eps), *_desc(q),
+                     *(_NO_GATE if k is None else _desc(k)), *(_NO_GATE if v is None else _desc(v)),
+                     _ptr(biases[0]), _ptr(biases[1]), _ptr(biases[2]), n_heads, n_kv_heads, d_head, n_rot,
+                     _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), cap * d_head, cap * d_head, pos,
+                     *_desc(o), _ptr(o_bias), d_head ** -0.5)
+    return y
+
+
+def decode_mlp(x: torch.Tensor, norm_w: torch.Tensor, eps: float, act: str, gate: QWeight, up: QWeight | None,
+               down: QWeight, relu_up: bool = False) -> torch.Tensor:
+    """One token through a pre-norm gated MLP half-block in one call (csrc/decode.c):
+    ``x + down(act(gate xn) * up xn)``, xn = rms_norm(x); `up` None: `gate` is the fused
+    projection (the F gate rows, then the F up rows).  `relu_up` also applies ReLU to up
+    (dReLU).  act: silu, relu, gelu (erf), gelu_tanh.  Needs the compiled core."""
+    code = _ACT.get(act)
+    if code is None:
+        raise ValueError(f"unknown activation {act!r}; expected one of {tuple(_ACT)}")
+    if _cpu is None:
+        raise RuntimeError("decode_mlp needs the compiled kernels (sparseinfer._cpu)")
+    n = gate.cols
+    for t, what in ((x, "x"), (norm_w, "norm_w")):
+        _check_f32(t, what)
+        if t.numel() != n:
+            raise ValueError(f"{what} must have {n} values, has {t.numel()}")
+    y = torch.empty(n, dtype=_F32)
+    _cpu.decode_mlp(x.data_ptr(), y.data_ptr(), n, norm_w.data_ptr(), float(eps), code, int(bool(relu_up)),
+                    *_desc(gate), *(_NO_GATE if up is None else _desc(up)), gate.rows // (1 if up is not None else 2),
+                    *_desc(down))
+    return y
 
 
 def _store(y, out):

@@ -189,6 +189,33 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.hidden(x))
 
+    def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+        """``x + self(norm(x))`` for one token (x (1, 1, n), CPU) in one C call (the products and
+        element-wise work of `forward`, without its ~15 torch operations), or None where that
+        step does not apply (no gate, biases, another norm, weights off the CPU)."""
+        k = _cpu_kernels()
+        if self.gate is None or type(norm) is not RMSNorm or self.act_name not in _DECODE_ACTS \
+                or not k.available() or not x.is_cpu or x.dtype is not torch.float32 or x.shape[0] != 1:
+            return None
+        if self._fused(x):
+            g, up = self._gate_up.weight, None
+            if self._gate_up.bias is not None:
+                return None
+        else:
+            g, up = self.gate.weight, self.up.weight
+            if self.gate.bias is not None or self.up.bias is not None or not (g.qs.is_cpu and up.qs.is_cpu):
+                return None
+        if self.down.bias is not None or not self.down.weight.qs.is_cpu:
+            return None
+        y = k.decode_mlp(x.reshape(-1).contiguous(), norm.weight, norm.eps, _DECODE_ACTS[self.act_name], g, up,
+                         self.down.weight, relu_up=self.act_name == "drelu")
+        return y.view(x.shape)
+
+
+# Activations of the fused decode step (`MLP.decode_step`), as the kernels spell them.
+_DECODE_ACTS = {"silu": "silu", "swish": "silu", "relu": "relu", "drelu": "relu", "gelu": "gelu",
+                "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
 
 class Rotary(nn.Module):
     """Rotary position embedding, rotate-half (NeoX/HF) convention, over the first `n_rot` dims."""
@@ -284,6 +311,35 @@ class Attention(nn.Module):
         k, v = cache.update_and_fetch(k, v)
         out = attend(q, k, v, start)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
+
+    def decode_step(self, x: torch.Tensor, norm: nn.Module, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor | None:
+        """``x + self(norm(x), positions, cache)`` for one token (x (1, 1, n), CPU) in one C call
+        (norm, q/k/v products and biases, rotary, cache write, attention, o product, residual),
+        or None where that step does not apply (another norm, weights or cache off the CPU or
+        not float32)."""
+        kern = _cpu_kernels()
+        if type(norm) is not RMSNorm or not kern.available() or not x.is_cpu or x.dtype is not torch.float32 \
+                or x.shape[0] != 1 or not cache.on_cpu_f32:
+            return None
+        if self._fused(x):
+            ws, bs = (self._qkv.weight, None, None), (self._qkv.bias, None, None)
+        else:
+            ws = (self.q.weight, self.k.weight, self.v.weight)
+            bs = (self.q.bias, self.k.bias, self.v.bias)
+        if not all(w.qs.is_cpu for w in ws if w is not None) or not self.o.weight.qs.is_cpu:
+            return None
+        H, Hk, D = self.n_heads, self.n_kv_heads, self.d_head
+        kc, vc, slot = cache.slot(Hk, D)
+        if kc.shape[0] != 1 or not kc.is_contiguous() or not vc.is_contiguous():
+            return None
+        n_rot, cos, sin = 0, None, None
+        if self.rotary is not None:  # (shared by all layers of this forward, see Rotary._cos_sin)
+            n_rot = self.rotary.n_rot
+            cos, sin = self.rotary._cos_sin(positions, x.device)
+        y = kern.decode_attn(x.reshape(-1).contiguous(), norm.weight, norm.eps, ws, bs, H, Hk, D, n_rot, cos, sin,
+                             kc, vc, slot, self.o.weight, self.o.bias)
+        cache.advance()
+        return y.view(x.shape)
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         """Same as `forward`: one product for q, k and v, one rotary call for q and k together."""

@@ -15,8 +15,12 @@ class Block(nn.Module):
         self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), positions, kv)
-        return h + self.mlp(self.ffn_norm(h))
+        # one decode token on the CPU: one C call per half-block where the layers allow it
+        h = self.attn.decode_step(x, self.attn_norm, positions, kv) if x.shape[1] == 1 else None
+        if h is None:
+            h = x + self.attn(self.attn_norm(x), positions, kv)
+        y = self.mlp.decode_step(h, self.ffn_norm) if x.shape[1] == 1 and isinstance(self.mlp, MLP) else None
+        return y if y is not None else h + self.mlp(self.ffn_norm(h))
 
 
 def linear(src: WeightSource, prefix: str) -> Linear:

@@ -1,0 +1,151 @@
+"""The fused single-token decode steps (csrc/decode.c, `Attention.decode_step`, `MLP.decode_step`):
+the same logits and KV cache as the Python layers, and as transformers, for batch-1 decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseinfer.io.weights import GGUFSource, SafetensorsSource
+from sparseinfer.kernels import cpu
+from sparseinfer.models.layers import MLP, Attention, Linear, RMSNorm
+from sparseinfer.models.registry import build_model
+from sparseinfer.quant import from_float
+
+from tiny import export_gguf, hf_model, save_folder
+
+pytestmark = [pytest.mark.usefixtures("precise_activations"),
+              pytest.mark.skipif(not cpu.available(), reason="needs the compiled kernels")]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(3, 250, (1, 14), generator=torch.Generator().manual_seed(3))
+
+
+def stepwise(model, tokens, cache=None):
+    """Prefill 4 tokens, then decode one at a time (batch 1: the fused steps' case)."""
+    cache = cache or model.new_cache(64)
+    with torch.inference_mode():
+        outs = [model(tokens[:, :4], cache)]
+        for t in range(4, tokens.shape[1]):
+            outs.append(model(tokens[:, t: t + 1], cache))
+    return torch.cat(outs, dim=1), cache
+
+
+class Count:
+    """Counts the fused steps that actually ran (and optionally turns them off)."""
+
+    def __init__(self, monkeypatch, off: bool = False):
+        self.n = {"attn": 0, "mlp": 0}
+        for cls, key in ((Attention, "attn"), (MLP, "mlp")):
+            real = cls.decode_step
+
+            def step(mod, *a, _real=real, _key=key):
+                if off:
+                    return None
+                y = _real(mod, *a)
+                self.n[_key] += y is not None
+                return y
+            monkeypatch.setattr(cls, "decode_step", step)
+
+
+def python_path(model, tokens, monkeypatch):
+    with monkeypatch.context() as m:
+        Count(m, off=True)
+        return stepwise(model, tokens)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-relu", "mistral", "qwen2"])
+def test_decode_steps_match_transformers(kind, tmp_path, tokens, monkeypatch):
+    hf = hf_model(kind)
+    model = build_model(SafetensorsSource(save_folder(hf, tmp_path / kind)))
+    count = Count(monkeypatch)
+    ours, _ = stepwise(model, tokens)
+    layers = len(model.layers)
+    assert count.n == {"attn": layers * 10, "mlp": layers * 10}
+    with torch.no_grad():
+        ref = hf(tokens).logits.float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_decode_steps_equal_python_layers(kind, qtype, tmp_path, tokens, monkeypatch):
+    """Logits and the KV cache rows the C step writes equal the Python layers' to f32 rounding
+    (integer formats: an f32-level difference in x can move one activation code by one step of
+    the second int8 term, ~3e-5 of the block's largest value, hence the looser tolerance)."""
+    hf = hf_model(kind)
+    path = export_gguf(hf, tmp_path / f"{kind}.gguf", qtype)
+    model = build_model(GGUFSource(path))
+    fast, cache_f = stepwise(model, tokens)
+    slow, cache_s = python_path(model, tokens, monkeypatch)
+    tol = 2e-5 if qtype == "F32" else 1e-3
+    torch.testing.assert_close(fast, slow, atol=tol, rtol=tol)
+    for a, b in zip(cache_f.layers, cache_s.layers):
+        assert a.length == b.length == tokens.shape[1]
+        torch.testing.assert_close(a.k[:, :, : a.length], b.k[:, :, : b.length], atol=tol, rtol=tol)
+        torch.testing.assert_close(a.v[:, :, : a.length], b.v[:, :, : b.length], atol=tol, rtol=tol)
+
+
+def test_unfused_projections_of_mixed_formats(tmp_path, tokens, monkeypatch):
+    """q/k/v and gate/up in different formats (as Q4_K_M files mix Q4_K and Q6_K) cannot be fused;
+    the C steps take them separately, with biases (qwen2)."""
+    hf = hf_model("qwen2")
+    model = build_model(GGUFSource(export_gguf(hf, tmp_path / "m.gguf", "Q4_1")))
+    for layer in model.layers:
+        layer.attn.v.weight = from_float(layer.attn.v.weight.dequantize(), "q8")
+        layer.mlp.up.weight = from_float(layer.mlp.up.weight.dequantize(), "q8")
+    count = Count(monkeypatch)
+    fast, _ = stepwise(model, tokens)
+    assert count.n["attn"] == count.n["mlp"] == 2 * 10
+    slow, _ = python_path(model, tokens, monkeypatch)
+    torch.testing.assert_close(fast, slow, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("act", ["silu", "relu", "drelu", "gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("fmt", ["f32", "q4"])
+def test_mlp_step_activations(act, fmt):
+    g = torch.Generator().manual_seed(7)
+    n, F = 96, 200
+    lin = lambda r, c: Linear(from_float(torch.randn(r, c, generator=g) * 0.1, fmt))  # noqa: E731
+    mlp = MLP(lin(F, n), lin(F, n), lin(n, F), act)
+    norm = RMSNorm(1 + 0.2 * torch.randn(n, generator=g), 1e-5)
+    x = torch.randn(1, 1, n, generator=g)
+    want = x + mlp(norm(x))
+    got = mlp.decode_step(x, norm)
+    assert got is not None and got.shape == x.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_decline_what_they_do_not_cover():
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    mlp = MLP(None, Linear(from_float(torch.randn(128, n, generator=g), "f32")),
+              Linear(from_float(torch.randn(n, 128, generator=g), "f32")), "relu")
+    norm = RMSNorm(torch.ones(n), 1e-5)
+    assert mlp.decode_step(torch.randn(1, 1, n), norm) is None  # no gate (OPT/Falcon MLPs)
+    gated = MLP(Linear(from_float(torch.randn(128, n, generator=g), "f32")),
+                Linear(from_float(torch.randn(128, n, generator=g), "f32")),
+                Linear(from_float(torch.randn(n, 128, generator=g), "f32")), "silu")
+    ln = torch.nn.LayerNorm(n)
+    assert gated.decode_step(torch.randn(1, 1, n), ln) is None  # another norm
+    assert gated.decode_step(torch.randn(1, 1, n, dtype=torch.float64), norm) is None
+
+
+def test_decode_attn_rejects_inconsistent_shapes():
+    g = torch.Generator().manual_seed(0)
+    n, H, Hk, D = 32, 4, 2, 8
+    qkv = from_float(torch.randn((H + 2 * Hk) * D, n, generator=g), "f32")
+    o = from_float(torch.randn(n, H * D, generator=g), "f32")
+    kc = torch.zeros(1, Hk, 16, D)
+    args = dict(n_heads=H, n_kv_heads=Hk, d_head=D, n_rot=0, cos=None, sin=None, k_cache=kc,
+                v_cache=torch.zeros_like(kc), pos=0, o=o, o_bias=None)
+    x, w = torch.randn(n), torch.ones(n)
+    y = cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **args)
+    assert y.shape == (n,) and torch.isfinite(y).all()
+    with pytest.raises(ValueError, match="inconsistent"):
+        cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **{**args, "n_kv_heads": 1})
+    with pytest.raises(ValueError, match="inconsistent"):
+        cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **{**args, "pos": 16})
+    with pytest.raises(ValueError):
+        cpu.decode_attn(x.double(), w, 1e-5, (qkv, None, None), (None, None, None), **args)
