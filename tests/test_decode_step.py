@@ -33,20 +33,29 @@ def stepwise(model, tokens, cache=None):
 
 
 class Count:
-    """Counts the fused steps that actually ran (and optionally turns them off)."""
+    """Counts the C decode steps that ran (or, `off`, turns them off: the layers run in Python)."""
 
     def __init__(self, monkeypatch, off: bool = False):
         self.n = {"attn": 0, "mlp": 0}
-        for cls, key in ((Attention, "attn"), (MLP, "mlp")):
-            real = cls.decode_step
+        if off:
+            for cls in (Attention, MLP):
+                monkeypatch.setattr(cls, "decode_args", lambda *a: None)
+            return
+        real = cpu._cpu
+        count = self.n
 
-            def step(mod, *a, _real=real, _key=key):
-                if off:
-                    return None
-                y = _real(mod, *a)
-                self.n[_key] += y is not None
-                return y
-            monkeypatch.setattr(cls, "decode_step", step)
+        class Wrapped:
+            def __getattr__(self, name):
+                f = getattr(real, name)
+                key = {"decode_attn": "attn", "decode_mlp": "mlp"}.get(name)
+                if key is None:
+                    return f
+
+                def g(*a):
+                    count[key] += 1
+                    return f(*a)
+                return g
+        monkeypatch.setattr(cpu, "_cpu", Wrapped())
 
 
 def python_path(model, tokens, monkeypatch):

@@ -189,15 +189,17 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.hidden(x))
 
-    def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
-        """``x + self(norm(x))`` for one token (x (1, 1, n), CPU) in one C call (the products and
-        element-wise work of `forward`, without its ~15 torch operations), or None where that
-        step does not apply (no gate, biases, another norm, weights off the CPU)."""
+    def decode_args(self, norm: nn.Module) -> tuple | None:
+        """The arguments after (x, out) of the C step `_cpu.decode_mlp`, which computes
+        ``x + self(norm(x))`` for one token in one call (the products and element-wise work of
+        `forward`, without its ~15 torch operations); None where that step does not apply (no
+        gate, biases, another norm, weights off the CPU, no compiled kernels)."""
         k = _cpu_kernels()
-        if self.gate is None or type(norm) is not RMSNorm or self.act_name not in _DECODE_ACTS \
-                or not k.available() or not x.is_cpu or x.dtype is not torch.float32 or x.shape[0] != 1:
+        if self.gate is None or type(norm) is not RMSNorm or self.act_name not in _DECODE_ACTS or not k.available() \
+                or not norm.weight.is_cpu:
             return None
-        if self._fused(x):
+        if self._parts is not None and self.gate.weight is self._parts[0] and self.up.weight is self._parts[1] \
+                and self._gate_up.weight.qs.is_cpu:
             g, up = self._gate_up.weight, None
             if self._gate_up.bias is not None:
                 return None
@@ -205,11 +207,22 @@ class MLP(nn.Module):
             g, up = self.gate.weight, self.up.weight
             if self.gate.bias is not None or self.up.bias is not None or not (g.qs.is_cpu and up.qs.is_cpu):
                 return None
-        if self.down.bias is not None or not self.down.weight.qs.is_cpu:
+        down = self.down.weight
+        if self.down.bias is not None or not down.qs.is_cpu:
             return None
-        y = k.decode_mlp(x.reshape(-1).contiguous(), norm.weight, norm.eps, _DECODE_ACTS[self.act_name], g, up,
-                         self.down.weight, relu_up=self.act_name == "drelu")
-        return y.view(x.shape)
+        return (g.cols, norm.weight.data_ptr(), norm.eps, k._ACT[_DECODE_ACTS[self.act_name]], int(self.act_name == "drelu"),
+                *k._desc(g), *(k._NO_GATE if up is None else k._desc(up)), down.cols, *k._desc(down))
+
+    def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+        """``x + self(norm(x))`` for one token (x (1, 1, n) float32 on the CPU) through the C step
+        (`decode_args`), or None where it does not apply."""
+        args = self.decode_args(norm) if x.is_cpu and x.dtype is torch.float32 and x.numel() == x.shape[-1] else None
+        if args is None or args[0] != x.shape[-1]:
+            return None
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _cpu_kernels()._cpu.decode_mlp(x.data_ptr(), y.data_ptr(), *args)
+        return y
 
 
 # Activations of the fused decode step (`MLP.decode_step`), as the kernels spell them.
@@ -312,34 +325,61 @@ class Attention(nn.Module):
         out = attend(q, k, v, start)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
 
-    def decode_step(self, x: torch.Tensor, norm: nn.Module, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor | None:
-        """``x + self(norm(x), positions, cache)`` for one token (x (1, 1, n), CPU) in one C call
-        (norm, q/k/v products and biases, rotary, cache write, attention, o product, residual),
-        or None where that step does not apply (another norm, weights or cache off the CPU or
-        not float32)."""
+    def decode_args(self, norm: nn.Module) -> tuple | None:
+        """(pre, post): the arguments of the C step `_cpu.decode_attn` around its per-token ones,
+        ``decode_attn(x, out, *pre, cos, sin, k_cache, v_cache, kstride, vstride, pos, *post)``,
+        which computes ``x + self(norm(x), positions, cache)`` for one token in one call (norm,
+        q/k/v products and biases, rotary, cache write, attention, o product, residual); None
+        where that step does not apply (another norm, weights off the CPU, no compiled kernels)."""
         kern = _cpu_kernels()
-        if type(norm) is not RMSNorm or not kern.available() or not x.is_cpu or x.dtype is not torch.float32 \
-                or x.shape[0] != 1 or not cache.on_cpu_f32:
+        if type(norm) is not RMSNorm or not kern.available() or not norm.weight.is_cpu:
             return None
-        if self._fused(x):
+        p = self._parts
+        if p is not None and self.q.weight is p[0] and self.k.weight is p[1] and self.v.weight is p[2] \
+                and self._qkv.weight.qs.is_cpu:
             ws, bs = (self._qkv.weight, None, None), (self._qkv.bias, None, None)
         else:
             ws = (self.q.weight, self.k.weight, self.v.weight)
             bs = (self.q.bias, self.k.bias, self.v.bias)
-        if not all(w.qs.is_cpu for w in ws if w is not None) or not self.o.weight.qs.is_cpu:
+        o = self.o.weight
+        if not all(w.qs.is_cpu for w in ws if w is not None) or not o.qs.is_cpu \
+                or not all(b is None or (b.is_cpu and b.dtype is torch.float32) for b in (*bs, self.o.bias)):
             return None
-        H, Hk, D = self.n_heads, self.n_kv_heads, self.d_head
+        ptr = lambda t: 0 if t is None else t.contiguous().data_ptr()  # noqa: E731 (biases are contiguous)
+        descs = tuple(d for w in ws for d in (kern._NO_GATE if w is None else kern._desc(w)))
+        n_rot = 0 if self.rotary is None else self.rotary.n_rot
+        pre = (ws[0].cols, norm.weight.data_ptr(), norm.eps, *descs, *(ptr(b) for b in bs),
+               self.n_heads, self.n_kv_heads, self.d_head, n_rot)
+        return pre, (*kern._desc(o), ptr(self.o.bias), self.d_head ** -0.5)
+
+    def decode_step(self, x: torch.Tensor, norm: nn.Module, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor | None:
+        """``x + self(norm(x), positions, cache)`` for one token (x (1, 1, n) float32 on the CPU)
+        through the C step (`decode_args`), or None where it does not apply (also: a cache
+        that is not float32 on the CPU)."""
+        if not x.is_cpu or x.dtype is not torch.float32 or x.numel() != x.shape[-1] or not cache.on_cpu_f32 \
+                or (cache.k is not None and cache.k.shape[0] != 1):
+            return None
+        args = self.decode_args(norm)
+        if args is None or args[0][0] != x.shape[-1]:
+            return None
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self.decode_into(x, y, args, positions, cache)
+        return y
+
+    def decode_into(self, x: torch.Tensor, y: torch.Tensor, args: tuple, positions: torch.Tensor, cache: LayerKV) -> None:
+        """Run the C step with `decode_args`' `args` from x into y (may be x), appending to `cache`."""
+        pre, post = args
+        H, Hk, D, n_rot = pre[-4:]
+        cos = sin = 0
+        if n_rot:  # (shared by all layers of this forward, see Rotary._cos_sin)
+            c, s = self.rotary._cos_sin(positions, x.device)
+            cos, sin = c.data_ptr(), s.data_ptr()
         kc, vc, slot = cache.slot(Hk, D)
-        if kc.shape[0] != 1 or not kc.is_contiguous() or not vc.is_contiguous():
-            return None
-        n_rot, cos, sin = 0, None, None
-        if self.rotary is not None:  # (shared by all layers of this forward, see Rotary._cos_sin)
-            n_rot = self.rotary.n_rot
-            cos, sin = self.rotary._cos_sin(positions, x.device)
-        y = kern.decode_attn(x.reshape(-1).contiguous(), norm.weight, norm.eps, ws, bs, H, Hk, D, n_rot, cos, sin,
-                             kc, vc, slot, self.o.weight, self.o.bias)
+        stride = kc.shape[2] * D
+        _cpu_kernels()._cpu.decode_attn(x.data_ptr(), y.data_ptr(), *pre, cos, sin, kc.data_ptr(), vc.data_ptr(),
+                                        stride, stride, slot, *post)
         cache.advance()
-        return y.view(x.shape)
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         """Same as `forward`: one product for q, k and v, one rotary call for q and k together."""
