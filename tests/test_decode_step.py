@@ -158,3 +158,30 @@ def test_decode_attn_rejects_inconsistent_shapes():
         cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **{**args, "pos": 16})
     with pytest.raises(ValueError):
         cpu.decode_attn(x.double(), w, 1e-5, (qkv, None, None), (None, None, None), **args)
+
+
+def test_decode_across_cache_growth(tmp_path, monkeypatch):
+    """The KV buffers grow in steps of 256 rows; the C step writes into the grown buffers
+    (decode from 250 to 262 cached tokens) exactly as the Python layers do."""
+    hf = hf_model("qwen2")
+    model = build_model(GGUFSource(export_gguf(hf, tmp_path / "m.gguf", "F32")))
+    toks = torch.randint(3, 250, (1, 262), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        cache = model.new_cache(300)
+        with torch.inference_mode():
+            outs = [model(toks[:, :250], cache)[:, -1:]]
+            outs += [model(toks[:, t: t + 1], cache) for t in range(250, 262)]
+        return torch.cat(outs, dim=1), cache
+
+    count = Count(monkeypatch)
+    fast, cache = run()
+    assert count.n["attn"] == 2 * 12 and cache.layers[0].k.shape[2] == 300
+    slow, _ = python_path_run(run, monkeypatch)
+    torch.testing.assert_close(fast, slow, atol=2e-5, rtol=2e-5)
+
+
+def python_path_run(run, monkeypatch):
+    with monkeypatch.context() as m:
+        Count(m, off=True)
+        return run()
