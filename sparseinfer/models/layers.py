@@ -17,17 +17,24 @@ from ..kv_cache import LayerKV
 
 
 # Rows of X (tokens) from which a CPU product runs as torch's float32 GEMM on weights
-# dequantized slice by slice instead of our integer kernels (measured on 8960x1536 and
-# 1536x8960, 2 threads, AVX2: q4 is 1.1x faster at 128 tokens and 1.3-1.7x at 512; q8 1.1x at
-# 64 and 2.2-2.6x at 512; below these the integer kernels win, up to 5x at 16 tokens).
-_F32_GEMM_MIN_ROWS = {"q4": 128, "q8": 64, "f16": 64, "bf16": 64, "f32": 64}
+# dequantized slice by slice instead of our integer kernels, per activation mode (measured on
+# 8960x1536, 2 threads, AVX2).  "precise" (two int8 terms per block): q4 is 1.1x faster by
+# GEMM at 128 tokens and 1.3-1.7x at 512; q8 1.1x at 64 and 2.2-2.6x at 512.  "int8" (one
+# term, llama.cpp's rounding): the q4 kernels stay ahead at every size (131 vs ~80 GOPS at
+# 128 tokens, 116 vs ~100 at 512; Qwen2.5-Coder-1.5B prompt 34 -> 44 tok/s at 512 tokens,
+# 25 -> 48 at 128, A/B in one process), q8 up to ~256 tokens.
+_F32_GEMM_MIN_ROWS = {
+    "int8": {"q4": 1 << 62, "q8": 256, "f16": 64, "bf16": 64, "f32": 64},
+    "precise": {"q4": 128, "q8": 64, "f16": 64, "bf16": 64, "f32": 64},
+}
 
 
 def _matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
     """(M, K) float32 -> (M, N) through the fastest kernel for the weight's format and device."""
     if x2.device.type == "cpu":
         k = _cpu_kernels()
-        if x2.shape[0] >= _F32_GEMM_MIN_ROWS.get(w.fmt, 1 << 62) and k.available():
+        if x2.shape[0] > 1 and k.available() \
+                and x2.shape[0] >= _F32_GEMM_MIN_ROWS[k.activation_mode()].get(w.fmt, 1 << 62):
             return k.matmul_f32(w, x2)
         return k.matmul(w, x2)
     from ..kernels.device import matmul as dev_matmul
