@@ -185,3 +185,24 @@ def python_path_run(run, monkeypatch):
     with monkeypatch.context() as m:
         Count(m, off=True)
         return run()
+
+
+def test_steps_follow_replaced_weights_and_copies(tmp_path, tokens, monkeypatch):
+    """The C steps' prepared arguments are rebuilt when a weight is replaced after decoding
+    started, and a deep copy of the model decodes from its own tensors."""
+    import copy
+
+    hf = hf_model("qwen2")
+    model = build_model(GGUFSource(export_gguf(hf, tmp_path / "m.gguf", "Q4_1")))
+    stepwise(model, tokens)  # prepares the arguments
+    for layer in model.layers:
+        layer.attn.v.weight = from_float(layer.attn.v.weight.dequantize(), "q8")
+        layer.mlp.up.weight = from_float(layer.mlp.up.weight.dequantize(), "q8")
+    fast, _ = stepwise(model, tokens)
+    slow, _ = python_path(model, tokens, monkeypatch)
+    torch.testing.assert_close(fast, slow, atol=1e-3, rtol=1e-3)
+    twin = copy.deepcopy(model)
+    for layer in model.layers:  # stale pointers into the original would now read zeros
+        layer.attn_norm.weight.zero_()
+        layer.ffn_norm.weight.zero_()
+    torch.testing.assert_close(stepwise(twin, tokens)[0], fast, atol=0, rtol=0)

@@ -77,17 +77,11 @@ class CausalLM(nn.Module):
         x = self.embed(tokens).reshape(-1).float().contiguous()
         if x.device.type != "cpu" or any(a[0][0] != x.numel() for a, _ in steps):
             return None
-        ptr = x.data_ptr()
         for layer, kv, (a, m) in zip(self.layers, cache.layers, steps):
             layer.attn.decode_into(x, x, a, positions, kv)
             if m is not None:
-                _cpu_step_mlp(ptr, m)
+                layer.mlp.decode_into(x, x, m)
             else:
                 x += layer.mlp(layer.ffn_norm(x.view(1, 1, -1))).view(-1)
         return self.head(self.norm(x.view(1, 1, -1)))
 
-
-def _cpu_step_mlp(ptr: int, args: tuple) -> None:
-    from ..kernels import cpu
-
-    cpu._cpu.decode_mlp(ptr, ptr, *args)

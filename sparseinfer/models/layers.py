@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -170,10 +172,12 @@ class MLP(nn.Module):
         self._gate_up = None if gate is None else fuse_linears(gate, up)
         self._parts = (gate.weight, up.weight) if self._gate_up is not None else None
 
-    def _fused(self, x: torch.Tensor) -> bool:
+    def _intact(self) -> bool:
         """The fused gate+up applies while the parts still are its views (not moved or replaced)."""
-        return self._parts is not None and x.is_cpu and self.gate.weight is self._parts[0] \
-            and self.up.weight is self._parts[1]
+        return self._parts is not None and self.gate.weight is self._parts[0] and self.up.weight is self._parts[1]
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return x.is_cpu and self._intact()
 
     @property
     def n_neurons(self) -> int:
@@ -200,13 +204,19 @@ class MLP(nn.Module):
         """The arguments after (x, out) of the C step `_cpu.decode_mlp`, which computes
         ``x + self(norm(x))`` for one token in one call (the products and element-wise work of
         `forward`, without its ~15 torch operations); None where that step does not apply (no
-        gate, biases, another norm, weights off the CPU, no compiled kernels)."""
-        k = _cpu_kernels()
-        if self.gate is None or type(norm) is not RMSNorm or self.act_name not in _DECODE_ACTS or not k.available() \
-                or not norm.weight.is_cpu:
+        gate, biases, another norm, weights off the CPU, no compiled kernels).  Built once and
+        reused while the weights, biases and norm are the same objects."""
+        g, u, d = self.gate, self.up, self.down
+        if g is None:
             return None
-        if self._parts is not None and self.gate.weight is self._parts[0] and self.up.weight is self._parts[1] \
-                and self._gate_up.weight.qs.is_cpu:
+        key = (norm, norm.weight, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
+        return _reuse(self, key, lambda: self._build_decode_args(norm))
+
+    def _build_decode_args(self, norm: nn.Module) -> tuple | None:
+        k = _cpu_kernels()
+        if type(norm) is not RMSNorm or self.act_name not in _DECODE_ACTS or not k.available() or not norm.weight.is_cpu:
+            return None
+        if self._intact():  # (the fused weight is on the CPU: `fuse_linears` makes no other)
             g, up = self._gate_up.weight, None
             if self._gate_up.bias is not None:
                 return None
@@ -228,8 +238,27 @@ class MLP(nn.Module):
             return None
         x = x.contiguous()
         y = torch.empty_like(x)
-        _cpu_kernels()._cpu.decode_mlp(x.data_ptr(), y.data_ptr(), *args)
+        self.decode_into(x, y, args)
         return y
+
+    @staticmethod
+    def decode_into(x: torch.Tensor, y: torch.Tensor, args: tuple) -> None:
+        """Run the C step with `decode_args`' `args` from x into y (may be x)."""
+        _cpu_kernels()._cpu.decode_mlp(x.data_ptr(), y.data_ptr(), *args)
+
+
+def _reuse(mod: nn.Module, key: tuple, build):
+    """`build()`, kept for `mod` and reused while the objects in `key` are the same ones: the C
+    decode steps' arguments would otherwise be rebuilt per layer and token (~35 us each).
+    Kept beside the module, not in it, so a copy of the module (whose tensors live elsewhere)
+    does not inherit the pointers."""
+    c = _DECODE_ARGS.get(mod)
+    if c is None or not all(map(operator.is_, c[0], key)):  # (keys of one module have one length)
+        c = _DECODE_ARGS[mod] = (key, build())
+    return c[1]
+
+
+_DECODE_ARGS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
 # Activations of the fused decode step (`MLP.decode_step`), as the kernels spell them.
@@ -314,9 +343,13 @@ class Attention(nn.Module):
         self._qkv = fuse_linears(q, k, v)
         self._parts = (q.weight, k.weight, v.weight) if self._qkv is not None else None
 
-    def _fused(self, x: torch.Tensor) -> bool:
+    def _intact(self) -> bool:
+        """The fused q/k/v applies while the parts still are its views (not moved or replaced)."""
         p = self._parts
-        return p is not None and x.is_cpu and self.q.weight is p[0] and self.k.weight is p[1] and self.v.weight is p[2]
+        return p is not None and self.q.weight is p[0] and self.k.weight is p[1] and self.v.weight is p[2]
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return x.is_cpu and self._intact()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         B, T, _ = x.shape
@@ -337,22 +370,26 @@ class Attention(nn.Module):
         ``decode_attn(x, out, *pre, cos, sin, k_cache, v_cache, kstride, vstride, pos, *post)``,
         which computes ``x + self(norm(x), positions, cache)`` for one token in one call (norm,
         q/k/v products and biases, rotary, cache write, attention, o product, residual); None
-        where that step does not apply (another norm, weights off the CPU, no compiled kernels)."""
+        where that step does not apply (another norm, weights off the CPU, no compiled kernels).
+        Built once and reused while the weights, biases, norm and rotary are the same objects."""
+        q, k, v, o = self.q, self.k, self.v, self.o
+        key = (norm, norm.weight, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias, self.rotary)
+        return _reuse(self, key, lambda: self._build_decode_args(norm))
+
+    def _build_decode_args(self, norm: nn.Module) -> tuple | None:
         kern = _cpu_kernels()
         if type(norm) is not RMSNorm or not kern.available() or not norm.weight.is_cpu:
             return None
-        p = self._parts
-        if p is not None and self.q.weight is p[0] and self.k.weight is p[1] and self.v.weight is p[2] \
-                and self._qkv.weight.qs.is_cpu:
+        if self._intact():  # (the fused weight is on the CPU: `fuse_linears` makes no other)
             ws, bs = (self._qkv.weight, None, None), (self._qkv.bias, None, None)
         else:
             ws = (self.q.weight, self.k.weight, self.v.weight)
             bs = (self.q.bias, self.k.bias, self.v.bias)
         o = self.o.weight
-        if not all(w.qs.is_cpu for w in ws if w is not None) or not o.qs.is_cpu \
-                or not all(b is None or (b.is_cpu and b.dtype is torch.float32) for b in (*bs, self.o.bias)):
+        if not all(w.qs.is_cpu for w in ws if w is not None) or not o.qs.is_cpu or not all(
+                b is None or (b.is_cpu and b.dtype is torch.float32 and b.is_contiguous()) for b in (*bs, self.o.bias)):
             return None
-        ptr = lambda t: 0 if t is None else t.contiguous().data_ptr()  # noqa: E731 (biases are contiguous)
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         descs = tuple(d for w in ws for d in (kern._NO_GATE if w is None else kern._desc(w)))
         n_rot = 0 if self.rotary is None else self.rotary.n_rot
         pre = (ws[0].cols, norm.weight.data_ptr(), norm.eps, *descs, *(ptr(b) for b in bs),

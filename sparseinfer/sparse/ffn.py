@@ -98,6 +98,8 @@ class SparseFFN(nn.Module):
         self.mode = mode
         self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
         self.stats = DecodeStats()
+        self._row_bank: list[torch.Tensor] | None = None  # forced density without a predictor
+        self._row_next = 0
         self._all_rows = torch.arange(n, dtype=torch.int32)
         # dense-first decode: above this kept fraction, up/down run dense on the masked h
         # (measured: axpy_rows over half the rows of a q8 down_t costs one dense q4 gemv)
@@ -253,15 +255,12 @@ class SparseFFN(nn.Module):
         if self.predictor is None:
             # drawn ahead of time: a fresh randperm + sort per layer and token costs ~0.1 ms,
             # about 10% of a 1.5B model's decode at density 0.1, which is not the model's work
-            bank = self.__dict__.get("_row_bank")
-            if bank is None or bank[0].numel() != k:
+            if self._row_bank is None or self._row_bank[0].numel() != k:
                 g = torch.Generator().manual_seed(self.n_neurons * 31 + k)
-                bank = [torch.randperm(self.n_neurons, generator=g)[:k].sort().values.to(torch.int32)
-                        for _ in range(_ROW_BANK)]
-                self.__dict__["_row_bank"] = bank
-                self._row_next = 0
-            self._row_next = (self._row_next + 1) % len(bank)
-            return bank[self._row_next]
+                self._row_bank = [torch.randperm(self.n_neurons, generator=g)[:k].sort().values.to(torch.int32)
+                                  for _ in range(_ROW_BANK)]
+            self._row_next = (self._row_next + 1) % _ROW_BANK
+            return self._row_bank[self._row_next]
         t0 = time.perf_counter()
         rows = self.predictor.top_rows(x, k)
         self.stats.predictor_seconds += time.perf_counter() - t0
