@@ -8,6 +8,7 @@ import torch
 
 from sparseinfer.errors import SparsityPackError
 from sparseinfer.io.weights import SafetensorsSource
+from sparseinfer.kernels import cpu
 from sparseinfer.models.layers import MLP, Linear
 from sparseinfer.models.registry import build_model
 from sparseinfer.quant import from_float
@@ -147,6 +148,87 @@ def test_threshold_mode_matches_masked_mlp():
     a = torch.nn.functional.silu(mlp.gate(x))
     h = a * mlp.up(x) * (a.abs() > 0.15)
     torch.testing.assert_close(ffn(x[None])[0], mlp.down(h), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- C decode step
+needs_c = pytest.mark.skipif(not cpu.available(), reason="needs the compiled kernels")
+
+
+def _stats(ffn) -> tuple:
+    st = ffn.stats
+    return st.tokens, st.rows, st.kept, st.bytes
+
+
+@needs_c
+@pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "q4"), ("drelu", True, False, "f32"),
+                                                 ("relu", False, True, "f32"), ("gelu", False, True, "q8"),
+                                                 ("gelu_pytorch_tanh", True, True, "q8")])
+@pytest.mark.parametrize("rows", ["predictor", "first", "top-k", "bank"])
+@pytest.mark.parametrize("crossover", [0.0, 1.0])
+def test_c_decode_step_equals_python_driven_kernels(act, gated, bias, fmt, rows, crossover):
+    """The one-call C step (`decode_sparse_mlp`) == `decode_py` (the same kernels driven from
+    Python) for every way of choosing rows (predicted, dense first projection + threshold,
+    forced top-k by predictor score, forced random rows), both sides of the dense crossover,
+    with the same counters (rows, neurons kept, bytes)."""
+    mlp = _mlp(act, gated, bias, fmt=fmt)
+    n, d = mlp.n_neurons, mlp.down.out_features
+    s = random_predictor(d, n, 0.0)
+    pred = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2) if rows in ("predictor", "top-k") else None
+    ffn = SparseFFN(mlp, 0.1, torch.randperm(n, generator=torch.Generator().manual_seed(0)), pred,
+                    density=0.3 if rows in ("top-k", "bank") else None)
+    ffn.dense_crossover = crossover
+    x = torch.randn(6, d, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert ffn.decode_args(None) is not None
+        fast = torch.stack([ffn.decode(r) for r in x])
+        fast_stats, fast_pred = _stats(ffn), ffn.stats.predictor_seconds
+        ffn.stats.reset()
+        ffn._row_next = 0  # the same random row sets again
+        slow = torch.stack([ffn.decode_py(r) for r in x])
+    torch.testing.assert_close(fast, slow, atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
+    assert fast_stats == _stats(ffn) and fast_stats[0] == 6
+    assert (fast_pred > 0) == (pred is not None)
+
+
+@needs_c
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("density", [None, 0.25])
+def test_blocks_decode_sparse_ffns_in_c(kind, density, tmp_path, tokens, monkeypatch):
+    """A sparsified Llama-family model decodes one token in two C calls per layer (attention,
+    sparse FFN) with the logits of the Python-driven path."""
+    model, src = tiny(kind, tmp_path)
+    with torch.inference_mode():
+        sparsify(model, random_pack(model, src, thresholds=0.05, tau=0.3, policy="first"), density=density)
+    real, calls = cpu._cpu, []
+
+    class Wrapped:
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            return (lambda *a: (calls.append(name), f(*a))[1]) if name.startswith("decode_") else f
+
+    with monkeypatch.context() as m, torch.inference_mode():
+        m.setattr(cpu, "_cpu", Wrapped())
+        fast = stepwise(model, tokens, 3)
+    decoded = (tokens.shape[1] - 3) * len(model.layers)
+    assert calls.count("decode_attn") == decoded and calls.count("decode_sparse_mlp") == decoded
+    with monkeypatch.context() as m, torch.inference_mode():
+        m.setattr(SparseFFN, "decode_args", lambda *a: None)
+        slow = stepwise(model, tokens, 3)
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+
+
+@needs_c
+def test_c_decode_step_rejects_bad_arguments():
+    mlp = _mlp("silu", True, False)
+    ffn = SparseFFN(mlp, 0.1, None, None)
+    with torch.inference_mode():
+        norm_ptr, eps, static = ffn.decode_args(None)
+    x, y = torch.randn(40), torch.empty(40)
+    bad_rows = torch.tensor([0, 96], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out of range"):
+        cpu._cpu.decode_sparse_mlp(x.data_ptr(), y.data_ptr(), 0, 0.0, bad_rows.data_ptr(), 2, *static)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        cpu._cpu.decode_sparse_mlp(x.data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, 41, *static[1:])
 
 
 # ---------------------------------------------------------------------------- forced density

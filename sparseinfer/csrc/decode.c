@@ -13,6 +13,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int64_t up16(int64_t v) { return (v + 15) / 16 * 16; }
 
@@ -87,4 +88,148 @@ void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, fl
     }
     si_gemv(down, gu, dn);
     for (int64_t i = 0; i < n; i++) xo[i] = x[i] + dn[i];
+}
+
+/* ----------------------------------------------------------------- sparse FFN half-block */
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The k-th largest of v[0..n) (1 <= k <= n), partially reordering v (quickselect). */
+static float kth_largest(float *v, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        const float a = v[lo], b = v[(lo + hi) / 2], c = v[hi];
+        const float p = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > p) i++;
+            while (v[j] < p) j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return v[want];
+    }
+    return v[want];
+}
+
+/* Predicted rows of one token, ascending: score_i = (W2t^T relu(W1 x + b1))_i; active when
+ * score_i > cut_i, or (topk > 0) the topk highest score_i - cut_i (ties: lowest ids).
+ * QPredictor (sparseinfer/sparse/predictor.py) is the same arithmetic in Python. */
+static int64_t predict_rows(const sparse_mlp_t *s, const float *xn, float *z, float *sc, int32_t *ids,
+                            int32_t *rows) {
+    const int64_t r = s->w1->rows, F = s->F;
+    si_gemv(s->w1, xn, z);
+    for (int64_t j = 0; j < r; j++) {
+        const float v = z[j] + s->b1[j];
+        z[j] = v > 0.0f ? v : 0.0f;
+        ids[j] = (int32_t)j;
+    }
+    si_axpy_rows(s->w2t, z, ids, r, sc);
+    int64_t m = 0;
+    if (s->topk <= 0) {
+        for (int64_t i = 0; i < F; i++)
+            if (sc[i] > s->cut[i]) rows[m++] = (int32_t)i;
+        return m;
+    }
+    const int64_t k = s->topk < F ? s->topk : F;
+    float *tmp = (float *)ids; /* ids (room for max(r, F) values) is free again */
+    for (int64_t i = 0; i < F; i++) sc[i] -= s->cut[i];
+    memcpy(tmp, sc, (size_t)F * sizeof(float));
+    const float t = kth_largest(tmp, F, k);
+    int64_t above = 0;
+    for (int64_t i = 0; i < F; i++) above += sc[i] > t;
+    for (int64_t i = 0, ties = k - above; i < F; i++)
+        if (sc[i] > t || (sc[i] == t && ties-- > 0)) rows[m++] = (int32_t)i;
+    return m;
+}
+
+/* One token through a SparseFFN (sparseinfer/sparse/ffn.py, `SparseFFN._sparse_rows`, the
+ * reference): candidate rows (given, predicted, or all), then either the fused kernel over
+ * them or: first projection on the candidates, activation, keep |a| > threshold, second
+ * projection and down_t over the kept rows (or dense up/down above the crossover).
+ * norm_w non-NULL: xo = x + ffn(rms_norm(x)); NULL: xo = ffn(x).  x and xo may alias. */
+void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,
+                          const sparse_mlp_t *s, const int32_t *given, int64_t n_given) {
+    const int64_t F = s->F, r = s->w1 ? s->w1->rows : 0;
+    const int64_t nf = up16(F), ni = up16(r > F ? r : F), fl = (int64_t)sizeof(float);
+    char *base = si_scratch(6, (size_t)((2 * up16(n) + up16(r) + ni + 6 * nf) * fl));
+    if (!base) abort();
+    float *xn = (float *)base, *y = xn + up16(n), *z = y + up16(n), *sc = z + up16(r);
+    int32_t *ids = (int32_t *)(sc + nf), *cand = ids + ni, *kept = cand + nf;
+    float *a = (float *)(kept + nf), *h = a + nf, *u = h + nf;
+    int64_t *cnt = s->counters;
+    if (norm_w) si_rms_norm(x, norm_w, xn, 1, n, eps);
+    else memcpy(xn, x, (size_t)n * sizeof(float));
+    cnt[0]++;
+    const int32_t *rows = given;
+    int64_t nc = n_given;
+    if (!given && s->w1) {
+        const double t0 = now_seconds();
+        nc = predict_rows(s, xn, z, sc, ids, cand);
+        *s->pred_seconds += now_seconds() - t0;
+        cnt[7]++;
+        rows = cand;
+    }
+    const qmat_t *second = s->second;
+    if (rows && nc == 0) {
+        memset(y, 0, (size_t)n * sizeof(float));
+    } else if (rows && s->fused) {
+        si_sparse_ffn(s->act, second ? s->first : NULL, second ? second : s->first, s->down_t, xn, rows, nc, y);
+        cnt[1] += nc;
+    } else {
+        if (rows) si_gemv_rows(s->first, xn, rows, nc, a);
+        else si_gemv(s->first, xn, a), nc = F;
+        int64_t nk = 0;
+        for (int64_t j = 0; j < nc; j++) {
+            const int64_t i = rows ? rows[j] : j;
+            const float v = si_act_apply(s->act, s->first_bias ? a[j] + s->first_bias[i] : a[j]);
+            if (fabsf(v) > s->threshold) {
+                kept[nk] = (int32_t)i;
+                h[nk++] = v;
+            }
+        }
+        if ((float)nk > s->crossover * (float)F) {
+            /* most neurons kept: up and down dense in their stored formats, h masked */
+            memset(a, 0, (size_t)F * sizeof(float));
+            for (int64_t j = 0; j < nk; j++) a[kept[j]] = h[j];
+            if (second) {
+                si_gemv(second, xn, u);
+                for (int64_t i = 0; i < F; i++) {
+                    float v = s->second_bias ? u[i] + s->second_bias[i] : u[i];
+                    if (s->relu_up && !(v > 0.0f)) v = 0.0f;
+                    a[i] *= v;
+                }
+            }
+            for (int64_t i = 0; i < F; i++) h[s->order[i]] = a[i];
+            si_gemv(s->down, h, y);
+            cnt[4] += nc, cnt[5] += nk, cnt[6]++;
+        } else {
+            if (second && nk) {
+                si_gemv_rows(second, xn, kept, nk, u);
+                for (int64_t j = 0; j < nk; j++) {
+                    float v = s->second_bias ? u[j] + s->second_bias[kept[j]] : u[j];
+                    if (s->relu_up && !(v > 0.0f)) v = 0.0f;
+                    h[j] *= v;
+                }
+            }
+            if (nk) si_axpy_rows(s->down_t, h, kept, nk, y);
+            else memset(y, 0, (size_t)n * sizeof(float));
+            cnt[2] += nc, cnt[3] += nk;
+        }
+    }
+    if (s->down_bias)
+        for (int64_t i = 0; i < n; i++) y[i] += s->down_bias[i];
+    if (norm_w)
+        for (int64_t i = 0; i < n; i++) xo[i] = x[i] + y[i];
+    else
+        memcpy(xo, y, (size_t)n * sizeof(float));
 }

@@ -388,6 +388,44 @@ static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first[6],
+ *                   first_bias, second[6], second_bias, down_t[6], down[6], order, down_bias,
+ *                   w1[6], b1, w2t[6], cut, topk, threshold, crossover, counters, pred_seconds):
+ * one token through an activation-sparse FFN, see decode.c.  norm_w 0: xo = ffn(x), else
+ * xo = x + ffn(rms_norm(x)); rows 0 with n_rows -1: predicted (w1 given) or all rows;
+ * second fmt -1: plain FFN; w1 fmt -1: no predictor. */
+static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    qmat_t first, second, down_t, down, w1, w2t;
+    int snone, pnone, pnone2;
+    void *x, *xo, *nw, *rows, *fb, *sb, *order, *db, *b1, *cut, *cnt, *ps;
+    int64_t nrows, n, act, relu_up, fused, F, topk;
+    float eps, thr, cross;
+    if (!nargs_ok(na, 57, "decode_sparse_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_ptr(a[2], &nw) ||
+        get_f32(a[3], &eps) || get_ptr(a[4], &rows) || get_i64(a[5], &nrows) || get_i64(a[6], &n) ||
+        get_i64(a[7], &act) || get_i64(a[8], &relu_up) || get_i64(a[9], &fused) || get_i64(a[10], &F) ||
+        get_qmat(a + 11, &first, 0, NULL) || get_ptr(a[17], &fb) || get_qmat(a + 18, &second, 1, &snone) ||
+        get_ptr(a[24], &sb) || get_qmat(a + 25, &down_t, 0, NULL) || get_qmat(a + 31, &down, 0, NULL) ||
+        get_ptr(a[37], &order) || get_ptr(a[38], &db) || get_qmat(a + 39, &w1, 1, &pnone) || get_ptr(a[45], &b1) ||
+        get_qmat(a + 46, &w2t, 1, &pnone2) || get_ptr(a[52], &cut) || get_i64(a[53], &topk) ||
+        get_f32(a[54], &thr) || get_f32(a[55], &cross) || get_ptr(a[56], &cnt))
+        return NULL;
+    if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
+    int bad = n < 1 || F < 1 || first.rows != F || first.cols != n || down_t.rows != F || down_t.cols != n ||
+              down.rows != n || down.cols != F || pnone != pnone2 || nrows < -1 || (nrows >= 0 && nrows > 0 && !rows);
+    if (!snone) bad |= second.rows != F || second.cols != n;
+    if (!pnone) bad |= w1.cols != n || w2t.rows != w1.rows || w2t.cols != F || !b1 || !cut;
+    if (bad) return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: inconsistent shapes");
+    if (!x || !xo || !order || !cnt) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (nrows > 0 && check_rows(rows, nrows, F)) return NULL;
+    ps = (double *)cnt + 8; /* counters: 8 int64, then the predictor's seconds as a float64 */
+    sparse_mlp_t s = {(int)act, relu_up != 0, fused != 0, F, &first, snone ? NULL : &second, fb, sb, &down_t, &down,
+                      order, db, pnone ? NULL : &w1, pnone ? NULL : &w2t, b1, cut, topk, thr, cross, cnt, ps};
+    Py_BEGIN_ALLOW_THREADS
+    si_decode_sparse_mlp(x, xo, n, nw, eps, &s, nrows >= 0 ? rows : NULL, nrows);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
@@ -405,6 +443,7 @@ static PyMethodDef methods[] = {
     {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
     {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*6, k*6, v*6, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*6, o_bias, scale)"},
     {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*6, up*6, F, down*6)"},
+    {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*6, first_bias, second*6, second_bias, down_t*6, down*6, order, down_bias, w1*6, b1, w2t*6, cut, topk, threshold, crossover, counters)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

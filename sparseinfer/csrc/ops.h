@@ -33,6 +33,24 @@ void si_decode_attn(const float *x, float *xo, int64_t n, const float *norm_w, f
                     float scale);
 void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps, int act, int relu_up,
                    const qmat_t *gate, const qmat_t *upm, int64_t F, const qmat_t *down);
+/* one token through an activation-sparse FFN (decode.c; SparseFFN in sparseinfer/sparse/ffn.py) */
+typedef struct {
+    int act, relu_up, fused;          /* fused: the one-pass kernel over the candidate rows */
+    int64_t F;                        /* neurons, in hotness order */
+    const qmat_t *first, *second;     /* gate and up, or (plain FFN) up and NULL */
+    const float *first_bias, *second_bias;
+    const qmat_t *down_t, *down;      /* (F, n) neuron-major in hotness order; (n, F) as stored */
+    const int32_t *order;             /* order[k]: stored column of neuron k */
+    const float *down_bias;
+    const qmat_t *w1, *w2t;           /* the predictor, or NULL */
+    const float *b1, *cut;
+    int64_t topk;                     /* > 0: that many rows, the highest scores (forced density) */
+    float threshold, crossover;       /* keep |a| > threshold; dense up/down above crossover * F kept */
+    int64_t *counters;                /* tokens, fused rows, staged first/kept, dense first/kept/count, predictions */
+    double *pred_seconds;
+} sparse_mlp_t;
+void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,
+                          const sparse_mlp_t *s, const int32_t *given, int64_t n_given);
 double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps);
 double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps);
 

@@ -19,16 +19,19 @@ class Block(nn.Module):
         h = self.attn.decode_step(x, self.attn_norm, positions, kv) if x.shape[1] == 1 else None
         if h is None:
             h = x + self.attn(self.attn_norm(x), positions, kv)
-        y = self.mlp.decode_step(h, self.ffn_norm) if x.shape[1] == 1 and type(self.mlp) is MLP else None
+        step = getattr(self.mlp, "decode_step", None) if x.shape[1] == 1 else None  # MLP, SparseFFN
+        y = step(h, self.ffn_norm) if step is not None else None
         return y if y is not None else h + self.mlp(self.ffn_norm(h))
 
     def decode_args(self):
         """(attention, MLP) arguments of the C decode steps for `CausalLM`'s one-token loop; MLP
-        None: the MLP runs in Python (e.g. a SparseFFN); None: the block has no C step."""
+        None: the MLP runs in Python (e.g. a HybridFFN); None: the block has no C step.  The
+        MLP is an `MLP` or a `SparseFFN` (each has `decode_args` and `decode_into`)."""
         a = self.attn.decode_args(self.attn_norm)
         if a is None:
             return None
-        return a, self.mlp.decode_args(self.ffn_norm) if type(self.mlp) is MLP else None
+        m = getattr(self.mlp, "decode_args", None)
+        return a, m(self.ffn_norm) if m is not None else None
 
 
 def linear(src: WeightSource, prefix: str) -> Linear:

@@ -31,11 +31,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import MLP, Linear, kernel_act_name
+from ..models.layers import MLP, Linear, RMSNorm, _reuse, kernel_act_name
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 
 MODES = ("predict", "faithful", "threshold", "oracle")
@@ -97,7 +98,11 @@ class SparseFFN(nn.Module):
         self.density = density
         self.mode = mode
         self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
-        self.stats = DecodeStats()
+        self._stats = DecodeStats()
+        # counters of the C decode step (`_c_call`), folded into `stats` when read: tokens, fused
+        # rows, staged first/kept rows, dense-rest first/kept rows and count, predictions; then
+        # the predictor's seconds as a float64 in the last slot (numpy: no inference-mode tensor)
+        self._ccount = np.zeros(9, dtype=np.int64)
         self._row_bank: list[torch.Tensor] | None = None  # forced density without a predictor
         self._row_next = 0
         self._all_rows = torch.arange(n, dtype=torch.int32)
@@ -132,6 +137,28 @@ class SparseFFN(nn.Module):
         if mode not in MODES:
             raise ValueError(f"unknown SparseFFN mode {mode!r}; expected one of {MODES}")
         self._mode = mode
+
+    @property
+    def stats(self) -> DecodeStats:
+        """Counters of the single-token path (the C step's included)."""
+        c = self._ccount
+        if c[0]:
+            self._fold(c)
+        return self._stats
+
+    def _fold(self, c: np.ndarray) -> None:
+        tokens, fr, sf, sk, df, dk, dc, pc = c[:8].tolist()
+        seconds = float(c[8:].view(np.float64)[0])
+        c[:] = 0
+        gated = self.gate is not None
+        rb, st = self._rb, self._stats
+        st.tokens += tokens
+        st.rows += (3 if gated else 2) * fr + sf + (2 if gated else 1) * sk + df + dc * self.n_neurons * (2 if gated else 1)
+        st.kept += fr + sk + dk
+        st.bytes += fr * rb[2] + (sf + df) * rb[0] + sk * rb[1] + dc * self._dense_rest_bytes
+        if self.predictor is not None:
+            st.bytes += pc * self.predictor.nbytes
+        st.predictor_seconds += seconds
 
     @property
     def down_t(self) -> QWeight:
@@ -221,7 +248,17 @@ class SparseFFN(nn.Module):
 
     # ------------------------------------------------------------------ decode (one token)
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """x (d,) -> y (d,): predictor -> rows -> sparse kernels (threshold applied in-set)."""
+        """x (d,) -> y (d,): predictor -> rows -> sparse kernels (threshold applied in-set), in
+        one C call where it applies (`decode_args`), else `decode_py`."""
+        args = self.decode_args(None)
+        if args is not None and x.dtype is torch.float32 and x.is_contiguous():
+            y = torch.empty(self.d_model)
+            self.decode_into(x, y, args)
+            return y
+        return self.decode_py(x)
+
+    def decode_py(self, x: torch.Tensor) -> torch.Tensor:
+        """`decode` through the Python-driven kernels: the reference of the C step."""
         rows = self._rows(x)
         y = self._sparse_rows(x, rows)
         if self.down.bias is not None:
@@ -349,6 +386,73 @@ class SparseFFN(nn.Module):
         st.kept += int(keep.sum())
         st.bytes += n_first * self._rb[0] + self._dense_rest_bytes
         return cpu.gemv(self.down.weight, h.contiguous())
+
+    # ------------------------------------------------------------------ C decode step
+    def decode_args(self, norm: nn.Module | None) -> tuple | None:
+        """Arguments of the C step `_cpu.decode_sparse_mlp` (decode.c), which computes one token
+        of `decode` (norm None) or ``x + self(norm(x))`` (norm an RMSNorm) in one call: predictor,
+        candidate rows, kernels and element-wise work without the ~15 Python operations per layer
+        of `decode_py`.  None where it does not apply (another mode or norm, a calibration
+        observer, weights off the CPU, no compiled kernels).  Built once and reused while the
+        weights, predictor and settings are the same objects."""
+        if self._mode != "predict" or self.observer is not None or not _kernels().available():
+            return None
+        key = (norm, None if norm is None else norm.weight, self.gate, self.up, self.gate_bias, self.up_bias,
+               self.down.weight, self.down.bias, self.predictor, self._threshold, self.density, self.dense_crossover)
+        return _reuse(self, key, lambda: self._build_decode_args(norm))
+
+    def _build_decode_args(self, norm: nn.Module | None) -> tuple | None:
+        cpu = _kernels()
+        if norm is not None and (type(norm) is not RMSNorm or not norm.weight.is_cpu):
+            return None
+        code = cpu._ACT.get(self.kernel_act)
+        weights = [self.first, self.up, self.down.weight]
+        vecs = [self.first_bias, self.up_bias, self.down.bias]
+        p = self.predictor
+        if p is not None:
+            weights += [p.w1, p.w2t]
+            vecs += [p.b1, p.cut]
+        if code is None or not all(w.qs.is_cpu for w in weights) or \
+                not all(v is None or (v.is_cpu and v.dtype is torch.float32 and v.is_contiguous()) for v in vecs):
+            return None
+        gated = self.gate is not None
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        self._order32 = self.order.to(torch.int32)
+        forced = self.density is not None
+        fused = self._fusable or (forced and self._fusable_forced)
+        topk = self._k() if forced and p is not None else 0
+        pred = (*cpu._desc(p.w1), ptr(p.b1), *cpu._desc(p.w2t), ptr(p.cut)) if p is not None \
+            else (*cpu._NO_GATE, 0, *cpu._NO_GATE, 0)
+        static = (self.d_model, code, int(self.act_name == "drelu"), int(fused), self.n_neurons,
+                  *cpu._desc(self.first), ptr(self.first_bias),
+                  *(cpu._desc(self.up) if gated else cpu._NO_GATE), ptr(self.up_bias if gated else None),
+                  *cpu._desc(self.down_t), *cpu._desc(self.down.weight), self._order32.data_ptr(),
+                  ptr(self.down.bias), *pred, topk, -1.0 if forced else self.threshold, self.dense_crossover,
+                  self._ccount.ctypes.data)
+        return (0 if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps, static)
+
+    def decode_into(self, x: torch.Tensor, y: torch.Tensor, args: tuple) -> None:
+        """Run the C step with `decode_args`' `args` from x (d,) float32 into y (may be x)."""
+        norm_ptr, eps, static = args
+        if self.density is not None and self.predictor is None:
+            rows = self._forced_rows(x)
+            rp, nr = rows.data_ptr(), rows.numel()
+        else:
+            rp, nr = 0, -1
+        _kernels()._cpu.decode_sparse_mlp(x.data_ptr(), y.data_ptr(), norm_ptr, eps, rp, nr, *static)
+
+    def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+        """``x + self(norm(x))`` for one token (x (1, 1, n) float32 on the CPU) through the C step,
+        or None where it does not apply."""
+        if not x.is_cpu or x.dtype is not torch.float32 or x.numel() != self.d_model:
+            return None
+        args = self.decode_args(norm)
+        if args is None:
+            return None
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self.decode_into(x, y, args)
+        return y
 
     # ------------------------------------------------------------------ reference
     def reference(self, x: torch.Tensor) -> torch.Tensor:

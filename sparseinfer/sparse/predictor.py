@@ -91,8 +91,9 @@ class QPredictor:
         return torch.from_numpy(np.flatnonzero(self._raw(x).numpy() > self._cut_np).astype(np.int32))
 
     def top_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        """The k highest-scoring rows, int32, in no particular order (the kernels take any)."""
-        return self._raw(x).add_(self.b2).topk(k, sorted=False).indices.to(torch.int32)
+        """The k highest-scoring rows, int32 ascending (ranked by logit - tau, as the C decode
+        step does: the same order as the logits)."""
+        return self._raw(x).sub_(self.cut).topk(k, sorted=False).indices.sort().values.to(torch.int32)
 
     def scores_batch(self, x2: torch.Tensor) -> torch.Tensor:
         """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
