@@ -370,17 +370,55 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
     float ym[128 + 8];
     const int64_t b0 = c0 / 32, nbc = (c1 - c0 + 31) / 32;
     memset(ym, 0, sizeof ym);
-    /* byte range of this column chunk within a row, for prefetching the row 8 ahead */
+    /* byte range of this column chunk within a row, for prefetching rows ahead */
     const int64_t s0 = fmt == FMT_Q4 ? b0 * 16 : fmt == FMT_Q8 ? b0 * 32 : c0 * (fmt == FMT_F32 ? 4 : 2);
-    const int64_t s1 = fmt == FMT_Q4 ? (b0 + nbc) * 16 : fmt == FMT_Q8 ? (b0 + nbc) * 32 : c1 * (fmt == FMT_F32 ? 4 : 2);
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j = 0;
+    if (fmt == FMT_Q8 && !wt->m && (c1 - c0) % 32 == 0) {
+        /* two rows per pass over y: half the loads and stores of y, the same sums in the
+         * same order (row j, then row j + 1, per element) */
+        for (; j + 2 <= n; j += 2) {
+            /* rows PF_ROWS ahead: scales now, data one line per line consumed (a burst of
+             * prefetches per row stalls once the miss buffers are full) */
+            const char *pa = NULL, *pb = NULL;
+            if (j + 1 + PF_ROWS < n) {
+                const int64_t ra = rows[j + PF_ROWS], rb = rows[j + 1 + PF_ROWS];
+                pa = (const char *)(wt->qs + ra * wt->row_bytes) + (s0 & ~(int64_t)63);
+                pb = (const char *)(wt->qs + rb * wt->row_bytes) + (s0 & ~(int64_t)63);
+                const char *da = (const char *)(wt->d + ra * wt->nb), *db = (const char *)(wt->d + rb * wt->nb);
+                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
+                    _mm_prefetch(da + o, _MM_HINT_T1);
+                    _mm_prefetch(db + o, _MM_HINT_T1);
+                }
+            }
+            const int8_t *w0 = (const int8_t *)(wt->qs + rows[j] * wt->row_bytes) + 32 * b0;
+            const int8_t *w1 = (const int8_t *)(wt->qs + rows[j + 1] * wt->row_bytes) + 32 * b0;
+            const uint16_t *d0 = wt->d + rows[j] * wt->nb + b0, *d1 = wt->d + rows[j + 1] * wt->nb + b0;
+            const float h0 = h[j], h1 = h[j + 1];
+            for (int64_t b = 0; b < nbc; b++) {
+                const __m256 sa = _mm256_set1_ps(h0 * _cvtsh_ss(d0[b])), sb = _mm256_set1_ps(h1 * _cvtsh_ss(d1[b]));
+                float *yb = y + c0 + 32 * b;
+                if (pa && !(b & 1)) {
+                    _mm_prefetch(pa + 32 * b, _MM_HINT_T1);
+                    _mm_prefetch(pb + 32 * b, _MM_HINT_T1);
+                }
+                for (int i = 0; i < 4; i++) {
+                    __m256 va = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 32 * b + 8 * i))));
+                    __m256 vb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 32 * b + 8 * i))));
+                    __m256 yv = _mm256_fmadd_ps(sa, va, _mm256_loadu_ps(yb + 8 * i));
+                    _mm256_storeu_ps(yb + 8 * i, _mm256_fmadd_ps(sb, vb, yv));
+                }
+            }
+        }
+    }
+    for (; j < n; j++) {
         const int64_t row = rows[j];
         const uint8_t *wp = wt->qs + row * wt->row_bytes;
         const float hj = h[j];
+        /* row PF_ROWS ahead: scales now, data a line at a time as this row's is consumed */
+        const char *pf = NULL;
         if (j + PF_ROWS < n) {
             const int64_t rp = rows[j + PF_ROWS];
-            const char *p = (const char *)(wt->qs + rp * wt->row_bytes);
-            for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+            pf = (const char *)(wt->qs + rp * wt->row_bytes) + (s0 & ~(int64_t)63);
             if (wt->d) {
                 const char *d = (const char *)(wt->d + rp * wt->nb), *m = wt->m ? (const char *)(wt->m + rp * wt->nb) : NULL;
                 for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
@@ -392,7 +430,9 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
         const __m256 hv = _mm256_set1_ps(hj);
         if (fmt <= FMT_BF16) {
             int64_t c = c0;
+            const int64_t esz = fmt == FMT_F32 ? 4 : 2;
             for (; c + 8 <= c1; c += 8) {
+                if (pf && !(((c - c0) * esz) & 63)) _mm_prefetch(pf + (c - c0) * esz, _MM_HINT_T1);
                 __m256 yv = _mm256_loadu_ps(y + c);
                 __m256 wv = fmt == FMT_F32 ? loadw(FMT_F32, wp, c) : fmt == FMT_F16 ? loadw(FMT_F16, wp, c) : loadw(FMT_BF16, wp, c);
                 _mm256_storeu_ps(y + c, _mm256_fmadd_ps(hv, wv, yv));
@@ -407,6 +447,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             if (mp) ym[b] = fmaf(hj, _cvtsh_ss(mp[b]), ym[b]);
             __m256 v[4];
             if (fmt == FMT_Q4) {
+                if (pf && !(b & 3)) _mm_prefetch(pf + 16 * b, _MM_HINT_T1);
                 const uint8_t *qb = wp + 16 * (b0 + b);
                 __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
                 __m256i bb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
@@ -416,6 +457,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
                 v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
                 v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bb, 4));
             } else {
+                if (pf && !(b & 1)) _mm_prefetch(pf + 32 * b, _MM_HINT_T1);
                 const uint8_t *qb = wp + 32 * (b0 + b);
                 for (int i = 0; i < 4; i++)
                     v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * i))));
