@@ -22,6 +22,8 @@ Modes (`mode`):
   on the dense hidden activations: mathematically what per-token sparse decode computes.
 - ``threshold``: dense with the threshold mask only (the quality reference of the pack).
 - ``oracle``: decode on exactly the active rows (computed densely); for tests.
+One token in ``predict`` mode runs as one C call (`decode_args`, csrc/decode.c: predictor, row
+choice, kernels, counters); `decode_py` drives the same kernels from Python and is its reference.
 `density` (bench): force the active fraction to D: the top-D rows by predictor score, or a
 random set of rows per token (from a bank drawn once) when there is no predictor (speed only;
 see `_forced_rows`).
