@@ -106,7 +106,7 @@ class SparseFFN(nn.Module):
         # the predictor's seconds as a float64 in the last slot (numpy: no inference-mode tensor)
         self._ccount = np.zeros(9, dtype=np.int64)
         self._row_bank: list[torch.Tensor] | None = None  # forced density without a predictor
-        self._row_next = 0
+        self._row_next = [0]  # next set of the bank (a list: no Module.__setattr__ per token)
         self._all_rows = torch.arange(n, dtype=torch.int32)
         # dense-first decode: above this kept fraction, up/down run dense on the masked h
         # (measured: axpy_rows over half the rows of a q8 down_t costs one dense q4 gemv)
@@ -298,8 +298,10 @@ class SparseFFN(nn.Module):
                 g = torch.Generator().manual_seed(self.n_neurons * 31 + k)
                 self._row_bank = [torch.randperm(self.n_neurons, generator=g)[:k].sort().values.to(torch.int32)
                                   for _ in range(_ROW_BANK)]
-            self._row_next = (self._row_next + 1) % _ROW_BANK
-            return self._row_bank[self._row_next]
+                self._row_next = [0]
+            i = self._row_next[0]
+            self._row_next[0] = (i + 1) % _ROW_BANK
+            return self._row_bank[i]
         t0 = time.perf_counter()
         rows = self.predictor.top_rows(x, k)
         self.stats.predictor_seconds += time.perf_counter() - t0
