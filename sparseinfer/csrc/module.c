@@ -411,7 +411,7 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
         return NULL;
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     int bad = n < 1 || F < 1 || first.rows != F || first.cols != n || down_t.rows != F || down_t.cols != n ||
-              down.rows != n || down.cols != F || pnone != pnone2 || nrows < -1 || (nrows >= 0 && nrows > 0 && !rows);
+              down.rows != n || down.cols != F || pnone != pnone2 || nrows < -1 || (nrows > 0 && !rows);
     if (!snone) bad |= second.rows != F || second.cols != n;
     if (!pnone) bad |= w1.cols != n || w2t.rows != w1.rows || w2t.cols != F || !b1 || !cut;
     if (bad) return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: inconsistent shapes");

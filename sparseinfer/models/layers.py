@@ -233,18 +233,26 @@ class MLP(nn.Module):
     def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
         """``x + self(norm(x))`` for one token (x (1, 1, n) float32 on the CPU) through the C step
         (`decode_args`), or None where it does not apply."""
-        args = self.decode_args(norm) if x.is_cpu and x.dtype is torch.float32 and x.numel() == x.shape[-1] else None
-        if args is None or args[0] != x.shape[-1]:
-            return None
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        self.decode_into(x, y, args)
-        return y
+        return ffn_decode_step(self, x, norm, self.down.out_features)
 
     @staticmethod
     def decode_into(x: torch.Tensor, y: torch.Tensor, args: tuple) -> None:
         """Run the C step with `decode_args`' `args` from x into y (may be x)."""
         _cpu_kernels()._cpu.decode_mlp(x.data_ptr(), y.data_ptr(), *args)
+
+
+def ffn_decode_step(ffn: nn.Module, x: torch.Tensor, norm: nn.Module, width: int) -> torch.Tensor | None:
+    """``x + ffn(norm(x))`` for one token (x (1, 1, width) float32 on the CPU) through the FFN's
+    C step (its `decode_args` / `decode_into`: `MLP`, `SparseFFN`), or None where it does not apply."""
+    if not x.is_cpu or x.dtype is not torch.float32 or x.numel() != width:
+        return None
+    args = ffn.decode_args(norm)
+    if args is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    ffn.decode_into(x, y, args)
+    return y
 
 
 def _reuse(mod: nn.Module, key: tuple, build):

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import MLP, Linear, RMSNorm, _reuse, kernel_act_name
+from ..models.layers import MLP, Linear, RMSNorm, _reuse, ffn_decode_step, kernel_act_name
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 
 MODES = ("predict", "faithful", "threshold", "oracle")
@@ -101,7 +101,7 @@ class SparseFFN(nn.Module):
         self.mode = mode
         self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
         self._stats = DecodeStats()
-        # counters of the C decode step (`_c_call`), folded into `stats` when read: tokens, fused
+        # counters of the C decode step (`decode_into`), folded into `stats` when read: tokens, fused
         # rows, staged first/kept rows, dense-rest first/kept rows and count, predictions; then
         # the predictor's seconds as a float64 in the last slot (numpy: no inference-mode tensor)
         self._ccount = np.zeros(9, dtype=np.int64)
@@ -448,15 +448,7 @@ class SparseFFN(nn.Module):
     def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
         """``x + self(norm(x))`` for one token (x (1, 1, n) float32 on the CPU) through the C step,
         or None where it does not apply."""
-        if not x.is_cpu or x.dtype is not torch.float32 or x.numel() != self.d_model:
-            return None
-        args = self.decode_args(norm)
-        if args is None:
-            return None
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        self.decode_into(x, y, args)
-        return y
+        return ffn_decode_step(self, x, norm, self.d_model)
 
     # ------------------------------------------------------------------ reference
     def reference(self, x: torch.Tensor) -> torch.Tensor:
