@@ -3,6 +3,8 @@ reference, oracle ReLU decoding == dense, per-token decode == faithful chunk eva
 packs (round trip, refusal), predictors (bits, tau, q8 runtime vs reference), forced density."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -130,8 +132,10 @@ def test_decode_matches_reference(act, gated, bias, fmt, threshold, with_predict
     x = torch.randn(5, d, generator=torch.Generator().manual_seed(4))
     ref = ffn.reference(x)
     tol = 1e-4 if fmt == "f32" else 0.05 * ref.abs().max().item()  # q8 down_t re-quantization + x rounding
-    for crossover in (0.0, 1.0):  # dense-first decode: up/down dense, or sparse on the kept rows
-        ffn.dense_crossover = crossover
+    for crossover, dense_gate_up in itertools.product((0.0, 1.0), (True, False)):
+        # dense-first decode: up/down dense, or sparse on the kept rows; without a predictor, gate
+        # and up in one dense pass or up on the kept rows only
+        ffn.dense_crossover, ffn.dense_gate_up = crossover, dense_gate_up
         with torch.inference_mode():
             out = torch.stack([ffn.decode(r) for r in x])
         torch.testing.assert_close(out, ref, atol=tol, rtol=0)
@@ -163,20 +167,20 @@ def _stats(ffn) -> tuple:
 @pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "q4"), ("drelu", True, False, "f32"),
                                                  ("relu", False, True, "f32"), ("gelu", False, True, "q8"),
                                                  ("gelu_pytorch_tanh", True, True, "q8")])
-@pytest.mark.parametrize("rows", ["predictor", "first", "top-k", "bank"])
-@pytest.mark.parametrize("crossover", [0.0, 1.0])
+@pytest.mark.parametrize("rows", ["predictor", "first", "first-gate-up", "top-k", "bank"])
+@pytest.mark.parametrize("crossover", [0.0, 1.0, None])  # None: by bytes, up and down apart
 def test_c_decode_step_equals_python_driven_kernels(act, gated, bias, fmt, rows, crossover):
     """The one-call C step (`decode_sparse_mlp`) == `decode_py` (the same kernels driven from
-    Python) for every way of choosing rows (predicted, dense first projection + threshold,
-    forced top-k by predictor score, forced random rows), both sides of the dense crossover,
-    with the same counters (rows, neurons kept, bytes)."""
+    Python) for every way of choosing rows (predicted, dense first projection + threshold, the
+    same with gate and up in one dense pass, forced top-k by predictor score, forced random
+    rows), both sides of the dense crossover, with the same counters (rows, neurons kept, bytes)."""
     mlp = _mlp(act, gated, bias, fmt=fmt)
     n, d = mlp.n_neurons, mlp.down.out_features
     s = random_predictor(d, n, 0.0)
     pred = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2) if rows in ("predictor", "top-k") else None
     ffn = SparseFFN(mlp, 0.1, torch.randperm(n, generator=torch.Generator().manual_seed(0)), pred,
                     density=0.3 if rows in ("top-k", "bank") else None)
-    ffn.dense_crossover = crossover
+    ffn.dense_crossover, ffn.dense_gate_up = crossover, rows == "first-gate-up"
     x = torch.randn(6, d, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         assert ffn.decode_args(None) is not None
@@ -188,6 +192,42 @@ def test_c_decode_step_equals_python_driven_kernels(act, gated, bias, fmt, rows,
     torch.testing.assert_close(fast, slow, atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
     assert fast_stats == _stats(ffn) and fast_stats[0] == 6
     assert (fast_pred > 0) == (pred is not None)
+
+
+@needs_c
+def test_gate_up_fused_views_and_their_checks():
+    """SparseFFN keeps its permuted gate and up as row views of one weight (no second copy); the
+    dense gate+up pass is dropped (same result) once a part is replaced, and the C step refuses
+    parts that are not adjacent rows of one buffer."""
+    mlp = _mlp("silu", True, False, fmt="q4")
+    n, d = mlp.n_neurons, mlp.down.out_features
+    ffn = SparseFFN(mlp, 0.1, torch.randperm(n, generator=torch.Generator().manual_seed(0)))
+    ffn.dense_gate_up = True
+    gu = ffn._gate_up
+    assert gu.rows == 2 * n and ffn.gate.qs.data_ptr() == gu.qs.data_ptr()
+    assert ffn.up.qs.data_ptr() == gu.qs.data_ptr() + ffn.gate.qs.nbytes
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = ffn.reference(x)
+        assert ffn._dense_gate_up
+        fused = torch.stack([ffn.decode(r) for r in x])
+        ffn.up = from_float(ffn.up.dequantize(), "q4")  # replaced: no longer the fused weight's view
+        assert not ffn._dense_gate_up
+        apart = torch.stack([ffn.decode(r) for r in x])
+        static = list(ffn.decode_args(None)[2])
+    torch.testing.assert_close(fused, apart, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+    static[3] |= 2  # claim a fused gate+up that is not there
+    y = torch.empty(d)
+    with pytest.raises(ValueError, match="not one fused weight"):
+        cpu._cpu.decode_sparse_mlp(x[0].contiguous().data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, *static)
+
+
+def test_expected_density_picks_the_dense_gate_up_pass():
+    mlp = _mlp("silu", True, False)
+    assert SparseFFN(mlp, 0.1, expected_density=0.95).dense_gate_up
+    assert not SparseFFN(mlp, 0.1, expected_density=0.7).dense_gate_up
+    assert not SparseFFN(mlp, 0.1).dense_gate_up
 
 
 @needs_c

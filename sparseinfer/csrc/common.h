@@ -88,6 +88,8 @@ typedef struct {
                  int64_t c0, int64_t c1, float *y);
     /* read nbytes from p, return a value that depends on every byte (defeats dead-code) */
     uint64_t (*read_sum)(const uint8_t *p, int64_t nbytes);
+    /* v[i] = act(v[i]) in place (ACT_* code) */
+    void (*act)(int act, float *v, int64_t n);
 } kernels_t;
 
 /* de of one token from its block scales d (layout as described above) */
@@ -98,6 +100,7 @@ void si_fill_de(int layout, int64_t nb, const float *d, float *de);
  * ops.c's si_attend1 splits the heads and has the portable version. */
 #define SI_ATT_MAXG 8
 #if SI_X86
+void si_act_avx2(int act, float *v, int64_t n); /* also the AVX-512 levels' */
 void si_attend_heads_avx2(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
                           int64_t L, float scale);
 #endif

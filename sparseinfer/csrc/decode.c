@@ -81,10 +81,11 @@ void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, fl
     si_rms_norm(x, norm_w, xn, 1, n, eps);
     si_gemv(gate, xn, gu);
     if (upm) si_gemv(upm, xn, gu + F);
+    si_act(act, gu, F);
     for (int64_t i = 0; i < F; i++) {
         float u = gu[F + i];
         if (relu_up && !(u > 0.0f)) u = 0.0f;
-        gu[i] = si_act_apply(act, gu[i]) * u;
+        gu[i] *= u;
     }
     si_gemv(down, gu, dn);
     for (int64_t i = 0; i < n; i++) xo[i] = x[i] + dn[i];
@@ -154,8 +155,9 @@ static int64_t predict_rows(const sparse_mlp_t *s, const float *xn, float *z, fl
 
 /* One token through a SparseFFN (sparseinfer/sparse/ffn.py, `SparseFFN._sparse_rows`, the
  * reference): candidate rows (given, predicted, or all), then either the fused kernel over
- * them or: first projection on the candidates, activation, keep |a| > threshold, second
- * projection and down_t over the kept rows (or dense up/down above the crossover).
+ * them or: first projection on the candidates (all: with up in one pass when gate and up are
+ * one weight), activation, keep |a| > threshold, up on the kept rows (dense above
+ * up_crossover), down_t over the kept rows (the stored down, dense, above crossover).
  * norm_w non-NULL: xo = x + ffn(rms_norm(x)); NULL: xo = ffn(x).  x and xo may alias. */
 void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,
                           const sparse_mlp_t *s, const int32_t *given, int64_t n_given) {
@@ -165,7 +167,8 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
     if (!base) abort();
     float *xn = (float *)base, *y = xn + up16(n), *z = y + up16(n), *sc = z + up16(r);
     int32_t *ids = (int32_t *)(sc + nf), *cand = ids + ni, *kept = cand + nf;
-    float *a = (float *)(kept + nf), *h = a + nf, *u = h + nf;
+    /* a then u adjacent (one dense gemv over gate and up writes both), h after */
+    float *a = (float *)(kept + nf), *u = a + F, *h = a + 2 * nf;
     int64_t *cnt = s->counters;
     if (norm_w) si_rms_norm(x, norm_w, xn, 1, n, eps);
     else memcpy(xn, x, (size_t)n * sizeof(float));
@@ -176,7 +179,7 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
         const double t0 = now_seconds();
         nc = predict_rows(s, xn, z, sc, ids, cand);
         *s->pred_seconds += now_seconds() - t0;
-        cnt[7]++;
+        cnt[9]++;
         rows = cand;
     }
     const qmat_t *second = s->second;
@@ -186,44 +189,52 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
         si_sparse_ffn(s->act, second ? s->first : NULL, second ? second : s->first, s->down_t, xn, rows, nc, y);
         cnt[1] += nc;
     } else {
+        /* no candidate rows and gate/up one fused weight: one dense pass computes both */
+        const int gate_up = !rows && s->first_up;
         if (rows) si_gemv_rows(s->first, xn, rows, nc, a);
-        else si_gemv(s->first, xn, a), nc = F;
-        int64_t nk = 0;
+        else si_gemv(gate_up ? s->first_up : s->first, xn, a), nc = F;
+        if (gate_up) cnt[3]++;
+        else cnt[2] += nc;
+        if (s->first_bias)
+            for (int64_t j = 0; j < nc; j++) a[j] += s->first_bias[rows ? rows[j] : j];
+        si_act(s->act, a, nc);
+        int64_t nk = 0; /* branch-free compaction: |a| > threshold is unpredictable */
+        const float thr = s->threshold;
         for (int64_t j = 0; j < nc; j++) {
-            const int64_t i = rows ? rows[j] : j;
-            const float v = si_act_apply(s->act, s->first_bias ? a[j] + s->first_bias[i] : a[j]);
-            if (fabsf(v) > s->threshold) {
-                kept[nk] = (int32_t)i;
-                h[nk++] = v;
+            const float v = a[j];
+            kept[nk] = rows ? rows[j] : (int32_t)j;
+            h[nk] = v;
+            nk += fabsf(v) > thr;
+        }
+        cnt[8] += nk;
+        if (second && nk) {
+            /* up of the kept neurons: from the fused pass, dense above its crossover, else rows */
+            int full = gate_up;
+            if (!gate_up && (float)nk > s->up_crossover * (float)F) {
+                si_gemv(second, xn, u);
+                full = 1, cnt[4]++;
+            } else if (!gate_up) {
+                si_gemv_rows(second, xn, kept, nk, u);
+                cnt[5] += nk;
+            }
+            for (int64_t j = 0; j < nk; j++) {
+                const float uj = full ? u[kept[j]] : u[j];
+                float v = s->second_bias ? uj + s->second_bias[kept[j]] : uj;
+                if (s->relu_up && !(v > 0.0f)) v = 0.0f;
+                h[j] *= v;
             }
         }
         if ((float)nk > s->crossover * (float)F) {
-            /* most neurons kept: up and down dense in their stored formats, h masked */
+            /* most neurons kept: down dense in its stored format and column order, h scattered */
             memset(a, 0, (size_t)F * sizeof(float));
-            for (int64_t j = 0; j < nk; j++) a[kept[j]] = h[j];
-            if (second) {
-                si_gemv(second, xn, u);
-                for (int64_t i = 0; i < F; i++) {
-                    float v = s->second_bias ? u[i] + s->second_bias[i] : u[i];
-                    if (s->relu_up && !(v > 0.0f)) v = 0.0f;
-                    a[i] *= v;
-                }
-            }
-            for (int64_t i = 0; i < F; i++) h[s->order[i]] = a[i];
-            si_gemv(s->down, h, y);
-            cnt[4] += nc, cnt[5] += nk, cnt[6]++;
+            for (int64_t j = 0; j < nk; j++) a[s->order[kept[j]]] = h[j];
+            si_gemv(s->down, a, y);
+            cnt[6]++;
+        } else if (nk) {
+            si_axpy_rows(s->down_t, h, kept, nk, y);
+            cnt[7] += nk;
         } else {
-            if (second && nk) {
-                si_gemv_rows(second, xn, kept, nk, u);
-                for (int64_t j = 0; j < nk; j++) {
-                    float v = s->second_bias ? u[j] + s->second_bias[kept[j]] : u[j];
-                    if (s->relu_up && !(v > 0.0f)) v = 0.0f;
-                    h[j] *= v;
-                }
-            }
-            if (nk) si_axpy_rows(s->down_t, h, kept, nk, y);
-            else memset(y, 0, (size_t)n * sizeof(float));
-            cnt[2] += nc, cnt[3] += nk;
+            memset(y, 0, (size_t)n * sizeof(float));
         }
     }
     if (s->down_bias)

@@ -562,7 +562,34 @@ void si_attend_heads_avx2(const float *q, const float *K, const float *V, float 
     }
 }
 
-const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum};
+/* v[i] = act(v[i]) in place (decode's FFN activations): SiLU and ReLU 8 at a time, the GELUs
+ * element by element.  SiLU through exp_neg on -|v| (no overflow): with t = e^-|v|,
+ * silu(v) = v / (1 + t) for v >= 0 and v t / (1 + t) below; within ~3e-7 of the scalar
+ * v / (1 + expf(-v)). */
+AI __m256 act8(int act, __m256 v) {
+    if (act == ACT_RELU) return _mm256_max_ps(v, _mm256_setzero_ps());
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 t = exp_neg(_mm256_or_ps(v, sign));
+    const __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_div_ps(_mm256_mul_ps(v, _mm256_blendv_ps(one, t, neg)), _mm256_add_ps(one, t));
+}
+
+void si_act_avx2(int act, float *v, int64_t n) {
+    if (act != ACT_SILU && act != ACT_RELU) {
+        for (int64_t i = 0; i < n; i++) v[i] = si_act_apply(act, v[i]);
+        return;
+    }
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, act8(act, _mm256_loadu_ps(v + i)));
+    if (i < n) { /* the tail through the same arithmetic */
+        float t[8] = {0};
+        memcpy(t, v + i, (size_t)(n - i) * sizeof(float));
+        _mm256_storeu_ps(t, act8(act, _mm256_loadu_ps(t)));
+        memcpy(v + i, t, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2};
 #else
 typedef int si_empty_translation_unit;
 #endif

@@ -5,7 +5,7 @@
 #define SI_VNNI 0
 #include "kern_avx512_impl.h"
 
-const kernels_t si_kernels_avx512 = {"avx512", quantize, dot_q, dot_f, axpy, read_sum};
+const kernels_t si_kernels_avx512 = {"avx512", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2};
 #else
 typedef int si_empty_translation_unit;
 #endif

@@ -293,6 +293,19 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *a, Py_ssize
 }
 
 /* rms_norm(x, w, y, rows, n, eps): y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, float32 */
+/* act(code, v, n): v[i] = act(v[i]) in place (float32) */
+static PyObject *py_act(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *v;
+    int64_t code, n;
+    if (!nargs_ok(na, 3, "act") || get_i64(a[0], &code) || get_ptr(a[1], &v) || get_i64(a[2], &n)) return NULL;
+    if (code < 0 || code >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)code);
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "n must be >= 0");
+    if (n == 0) Py_RETURN_NONE;
+    if (!v) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    si_act((int)code, v, n);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *x, *w, *y;
     int64_t rows, n;
@@ -390,24 +403,26 @@ static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na
 
 /* decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first[6],
  *                   first_bias, second[6], second_bias, down_t[6], down[6], order, down_bias,
- *                   w1[6], b1, w2t[6], cut, topk, threshold, crossover, counters, pred_seconds):
+ *                   w1[6], b1, w2t[6], cut, topk, threshold, crossover, up_crossover, counters):
  * one token through an activation-sparse FFN, see decode.c.  norm_w 0: xo = ffn(x), else
  * xo = x + ffn(rms_norm(x)); rows 0 with n_rows -1: predicted (w1 given) or all rows;
- * second fmt -1: plain FFN; w1 fmt -1: no predictor. */
+ * second fmt -1: plain FFN; w1 fmt -1: no predictor; fused: 1 the one-pass kernel on
+ * candidate rows, | 2 gate and up are one weight's adjacent rows (dense gate+up in one pass);
+ * counters: int64[11], the last slot the predictor's seconds as a float64. */
 static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t first, second, down_t, down, w1, w2t;
     int snone, pnone, pnone2;
     void *x, *xo, *nw, *rows, *fb, *sb, *order, *db, *b1, *cut, *cnt, *ps;
     int64_t nrows, n, act, relu_up, fused, F, topk;
-    float eps, thr, cross;
-    if (!nargs_ok(na, 57, "decode_sparse_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_ptr(a[2], &nw) ||
+    float eps, thr, cross, upcross;
+    if (!nargs_ok(na, 58, "decode_sparse_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_ptr(a[2], &nw) ||
         get_f32(a[3], &eps) || get_ptr(a[4], &rows) || get_i64(a[5], &nrows) || get_i64(a[6], &n) ||
         get_i64(a[7], &act) || get_i64(a[8], &relu_up) || get_i64(a[9], &fused) || get_i64(a[10], &F) ||
         get_qmat(a + 11, &first, 0, NULL) || get_ptr(a[17], &fb) || get_qmat(a + 18, &second, 1, &snone) ||
         get_ptr(a[24], &sb) || get_qmat(a + 25, &down_t, 0, NULL) || get_qmat(a + 31, &down, 0, NULL) ||
         get_ptr(a[37], &order) || get_ptr(a[38], &db) || get_qmat(a + 39, &w1, 1, &pnone) || get_ptr(a[45], &b1) ||
         get_qmat(a + 46, &w2t, 1, &pnone2) || get_ptr(a[52], &cut) || get_i64(a[53], &topk) ||
-        get_f32(a[54], &thr) || get_f32(a[55], &cross) || get_ptr(a[56], &cnt))
+        get_f32(a[54], &thr) || get_f32(a[55], &cross) || get_f32(a[56], &upcross) || get_ptr(a[57], &cnt))
         return NULL;
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     int bad = n < 1 || F < 1 || first.rows != F || first.cols != n || down_t.rows != F || down_t.cols != n ||
@@ -417,9 +432,21 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
     if (bad) return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: inconsistent shapes");
     if (!x || !xo || !order || !cnt) return PyErr_Format(PyExc_ValueError, "null data pointer");
     if (nrows > 0 && check_rows(rows, nrows, F)) return NULL;
-    ps = (double *)cnt + 8; /* counters: 8 int64, then the predictor's seconds as a float64 */
-    sparse_mlp_t s = {(int)act, relu_up != 0, fused != 0, F, &first, snone ? NULL : &second, fb, sb, &down_t, &down,
-                      order, db, pnone ? NULL : &w1, pnone ? NULL : &w2t, b1, cut, topk, thr, cross, cnt, ps};
+    /* fused bit 1: gate and up are adjacent row blocks of one weight (SparseFFN's views of its
+     * fused gate+up), so the dense first projection covers both in one pass */
+    qmat_t both;
+    if (fused & 2) {
+        const int64_t nb = first.nb;
+        if (snone || second.fmt != first.fmt || second.qs != first.qs + F * first.row_bytes ||
+            (first.d && second.d != first.d + F * nb) || (first.m && second.m != first.m + F * nb) ||
+            (!first.d) != (!second.d) || (!first.m) != (!second.m) ||
+            si_qmat_init(&both, first.fmt, 2 * F, n, first.qs, first.d, first.m) != 0)
+            return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: gate and up are not one fused weight");
+    }
+    ps = (double *)cnt + 10; /* counters: 10 int64, then the predictor's seconds as a float64 */
+    sparse_mlp_t s = {(int)act, relu_up != 0, (fused & 1) != 0, F, &first, snone ? NULL : &second,
+                      (fused & 2) ? &both : NULL, fb, sb, &down_t, &down,
+                      order, db, pnone ? NULL : &w1, pnone ? NULL : &w2t, b1, cut, topk, thr, cross, upcross, cnt, ps};
     Py_BEGIN_ALLOW_THREADS
     si_decode_sparse_mlp(x, xo, n, nw, eps, &s, nrows >= 0 ? rows : NULL, nrows);
     Py_END_ALLOW_THREADS
@@ -439,11 +466,12 @@ static PyMethodDef methods[] = {
     {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out)"},
+    {"act", (PyCFunction)(void (*)(void))py_act, METH_FASTCALL, "act(code, v, n): v = act(v) in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
     {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*6, k*6, v*6, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*6, o_bias, scale)"},
     {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*6, up*6, F, down*6)"},
-    {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*6, first_bias, second*6, second_bias, down_t*6, down*6, order, down_bias, w1*6, b1, w2t*6, cut, topk, threshold, crossover, counters)"},
+    {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*6, first_bias, second*6, second_bias, down_t*6, down*6, order, down_bias, w1*6, b1, w2t*6, cut, topk, threshold, crossover, up_crossover, counters)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

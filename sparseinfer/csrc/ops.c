@@ -318,6 +318,8 @@ static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x
     run(dot_task, &a, nchunks, n * w->row_bytes * (T > 1 ? 64 : 1));
 }
 
+void si_act(int act, float *v, int64_t n) { kern()->act(act, v, n); }
+
 void si_gemv(const qmat_t *w, const float *x, float *y) {
     yout_t o = {y, 1, 0};
     dots(w, NULL, w->rows, x, 1, o, 0);
@@ -453,9 +455,10 @@ static void ffn_task(void *p, int64_t c) {
     ffn_dot(a->k, a->up, a->xu, a->x, a->rows, i0, i1, a->h);
     if (a->gate) {
         ffn_dot(a->k, a->gate, a->xg, a->x, a->rows, i0, i1, a->g);
-        for (int64_t i = i0; i < i1; i++) a->h[i] *= si_act_apply(a->act, a->g[i]);
+        a->k->act(a->act, a->g + i0, i1 - i0);
+        for (int64_t i = i0; i < i1; i++) a->h[i] *= a->g[i];
     } else {
-        for (int64_t i = i0; i < i1; i++) a->h[i] = si_act_apply(a->act, a->h[i]);
+        a->k->act(a->act, a->h + i0, i1 - i0);
     }
 }
 

@@ -12,6 +12,8 @@ extern const char *const si_level_names[];    /* best first, NULL-terminated */
 
 int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m);
 
+/* v[i] = act(v[i]) in place, the best kernel level's (ACT_* code) */
+void si_act(int act, float *v, int64_t n);
 void si_gemv(const qmat_t *w, const float *x, float *y);
 void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y);
 void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y);
@@ -38,6 +40,7 @@ typedef struct {
     int act, relu_up, fused;          /* fused: the one-pass kernel over the candidate rows */
     int64_t F;                        /* neurons, in hotness order */
     const qmat_t *first, *second;     /* gate and up, or (plain FFN) up and NULL */
+    const qmat_t *first_up;           /* gate rows then up rows of one buffer (dense gate+up), or NULL */
     const float *first_bias, *second_bias;
     const qmat_t *down_t, *down;      /* (F, n) neuron-major in hotness order; (n, F) as stored */
     const int32_t *order;             /* order[k]: stored column of neuron k */
@@ -45,8 +48,10 @@ typedef struct {
     const qmat_t *w1, *w2t;           /* the predictor, or NULL */
     const float *b1, *cut;
     int64_t topk;                     /* > 0: that many rows, the highest scores (forced density) */
-    float threshold, crossover;       /* keep |a| > threshold; dense up/down above crossover * F kept */
-    int64_t *counters;                /* tokens, fused rows, staged first/kept, dense first/kept/count, predictions */
+    float threshold;                  /* keep |a| > threshold */
+    float crossover, up_crossover;    /* down / up dense above that many kept (x F), else on the kept rows */
+    int64_t *counters;                /* tokens, fused-kernel rows, first-projection rows, gate+up passes,
+                                         dense ups, up rows, dense downs, down_t rows, kept, predictions */
     double *pred_seconds;
 } sparse_mlp_t;
 void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,

@@ -280,6 +280,14 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     return yt.t().contiguous()
 
 
+def act(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The decode steps' element-wise FFN activation (`_ACT` names; SiLU/ReLU vectorized) of a
+    float32 CPU tensor, as a new tensor; reference: torch's."""
+    y = x.float().contiguous().clone()
+    _cpu.act(_ACT[name], y.data_ptr(), y.numel())
+    return y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim of a float32 CPU tensor
     (torch's F.rms_norm, without its ~6-op dispatch cost on one decode row)."""

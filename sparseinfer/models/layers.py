@@ -86,29 +86,41 @@ class _Fused:
         return Linear.forward(self, x)
 
 
+def fuse_weights(*ws: QWeight) -> tuple[QWeight, list[QWeight]] | None:
+    """One weight whose rows are the rows of `ws` stacked, and the parts as row views of it (no
+    extra memory); None when the formats, input widths or devices differ or a part is off the CPU."""
+    w0 = ws[0]
+    if w0.qs.device.type != "cpu" or any(
+            w.fmt != w0.fmt or w.cols != w0.cols or w.qs.device != w0.qs.device
+            or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None) for w in ws):
+        return None
+    cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
+    fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))
+    views, a = [], 0
+    for w in ws:
+        b = a + w.rows
+        cut = lambda t: None if t is None else t[a:b]  # noqa: E731
+        views.append(QWeight(w.fmt, w.rows, w.cols, cut(fused.qs), cut(fused.d), cut(fused.m)))
+        a = b
+    return fused, views
+
+
 def fuse_linears(*linears: Linear) -> _Fused | None:
     """A weight whose rows are the rows of `linears` stacked (e.g. q, k, v or gate, up), so a
     CPU forward quantizes x once and makes one kernel call instead of several; the parts'
-    weights become row views of it (no extra memory).  None when the formats, input widths or
+    weights become row views of it (`fuse_weights`).  None when the formats, input widths or
     devices differ, or a part has a bias and another not."""
-    ws = [lin.weight for lin in linears]
-    w0 = ws[0]
-    if any(not isinstance(lin, Linear) for lin in linears) or w0.qs.device.type != "cpu":
-        return None
-    if any(w.fmt != w0.fmt or w.cols != w0.cols or w.qs.device != w0.qs.device
-           or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None) for w in ws):
+    if any(not isinstance(lin, Linear) for lin in linears):
         return None
     biases = [lin.bias for lin in linears]
     if any(b is None for b in biases) and any(b is not None for b in biases):
         return None
-    cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
-    fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))
-    a = 0
-    for lin, w in zip(linears, ws):
-        b = a + w.rows
-        cut = lambda t: None if t is None else t[a:b]  # noqa: E731
-        lin.weight = QWeight(w.fmt, w.rows, w.cols, cut(fused.qs), cut(fused.d), cut(fused.m))
-        a = b
+    got = fuse_weights(*(lin.weight for lin in linears))
+    if got is None:
+        return None
+    fused, views = got
+    for lin, w in zip(linears, views):
+        lin.weight = w
     bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
     return _Fused(fused, bias)
 

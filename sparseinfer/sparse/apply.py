@@ -70,7 +70,7 @@ def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float 
         pack.check_layer(i, mlp.n_neurons)
         layer = pack.layers[i]
         return SparseFFN(mlp, layer.threshold, layer.order, layer.predictor(for_ranking=density is not None),
-                         mode=mode, density=density)
+                         mode=mode, density=density, expected_density=float(layer.freq.float().mean()))
 
     replace_ffns(model, make)
     if build_decode:  # the neuron-major copies, now rather than inside the first timed decode

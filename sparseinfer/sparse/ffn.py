@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import MLP, Linear, RMSNorm, _reuse, ffn_decode_step, kernel_act_name
+from ..models.layers import MLP, Linear, RMSNorm, _reuse, ffn_decode_step, fuse_weights, kernel_act_name
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 
 MODES = ("predict", "faithful", "threshold", "oracle")
@@ -74,12 +74,22 @@ def _kernels():
 
 _ROW_BANK = 64  # random row sets per layer for forced density without a predictor
 
+# Time per byte of the sparse kernels on many rows, relative to a dense gemv of the stored
+# weight; they set the dense crossovers.  Measured on 2 AVX2 cores from DRAM: axpy_rows over
+# every row of a q8 down_t 0.94 ms vs the dense q8 down 0.64 ms (`benchmarks/kernels.py`,
+# 8960x1536: 1.46), and in Qwen2.5-Coder-1.5B's FFNs with its pack (~70% kept) the dense
+# down beat the rows until the cost was set to 2; gemv_rows over 70% of the rows of its q4
+# up took what the dense gate gemv took (12.5 vs 12.6 ms over 28 layers: 1.4).
+AXPY_COST = 2.0
+GEMV_ROWS_COST = 1.4
+
 
 class SparseFFN(nn.Module):
     """Activation-sparse FFN with the `MLP` call signature (see the module docstring)."""
 
     def __init__(self, mlp: MLP, threshold: float = 0.0, order: torch.Tensor | None = None,
-                 predictor=None, mode: str = "predict", density: float | None = None):
+                 predictor=None, mode: str = "predict", density: float | None = None,
+                 expected_density: float | None = None):
         super().__init__()
         n = mlp.n_neurons
         self.n_neurons, self.d_model = n, mlp.down.out_features
@@ -92,6 +102,17 @@ class SparseFFN(nn.Module):
         pick = self._permute_rows
         self.gate = None if mlp.gate is None else pick(mlp.gate.weight)
         self.up = pick(mlp.up.weight)
+        # gate and up as row views of one weight, so a dense first projection covers both in one
+        # pass (as `MLP` runs them); kept as they come when the permuted rows already are that
+        self._gate_up: QWeight | None = None
+        if self.gate is not None:
+            if not self.permuted and mlp._intact():
+                self._gate_up = mlp._gate_up.weight
+            else:
+                got = fuse_weights(self.gate, self.up)
+                if got is not None:
+                    self._gate_up, (self.gate, self.up) = got
+        self._parts = (self.gate, self.up)
         self.gate_bias = None if mlp.gate is None else self._permute_vec(mlp.gate.bias)
         self.up_bias = self._permute_vec(mlp.up.bias)
         self.down = mlp.down
@@ -102,15 +123,20 @@ class SparseFFN(nn.Module):
         self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
         self._stats = DecodeStats()
         # counters of the C decode step (`decode_into`), folded into `stats` when read: tokens, fused
-        # rows, staged first/kept rows, dense-rest first/kept rows and count, predictions; then
+        # rows, staged first/kept rows, dense-rest first/kept rows and count, predictions, dense
+        # gate+up tokens and their kept rows; then
         # the predictor's seconds as a float64 in the last slot (numpy: no inference-mode tensor)
-        self._ccount = np.zeros(9, dtype=np.int64)
+        self._ccount = np.zeros(11, dtype=np.int64)
         self._row_bank: list[torch.Tensor] | None = None  # forced density without a predictor
         self._row_next = [0]  # next set of the bank (a list: no Module.__setattr__ per token)
         self._all_rows = torch.arange(n, dtype=torch.int32)
-        # dense-first decode: above this kept fraction, up/down run dense on the masked h
-        # (measured: axpy_rows over half the rows of a q8 down_t costs one dense q4 gemv)
-        self.dense_crossover = 0.5
+        # above this kept fraction up/down run dense on the masked h; None: where the kept rows'
+        # bytes reach the dense products' (`crossover`)
+        self.dense_crossover: float | None = None
+        # without candidate rows (the "first" policy): gate and up in one dense pass rather than
+        # up on the kept rows only; pays when up would run dense anyway (`up_crossover`), so
+        # chosen from the layer's profiled density (the pack's frequencies)
+        self.dense_gate_up = expected_density is not None and expected_density > self.up_crossover
 
     # ------------------------------------------------------------------ set-up
     def _permute_rows(self, w: QWeight) -> QWeight:
@@ -149,18 +175,28 @@ class SparseFFN(nn.Module):
         return self._stats
 
     def _fold(self, c: np.ndarray) -> None:
-        tokens, fr, sf, sk, df, dk, dc, pc = c[:8].tolist()
-        seconds = float(c[8:].view(np.float64)[0])
+        tokens, fr, first, gu, upd, upr, dd, dr, kept, pc = c[:10].tolist()
+        seconds = float(c[10:].view(np.float64)[0])
         c[:] = 0
-        gated = self.gate is not None
-        rb, st = self._rb, self._stats
-        st.tokens += tokens
-        st.rows += (3 if gated else 2) * fr + sf + (2 if gated else 1) * sk + df + dc * self.n_neurons * (2 if gated else 1)
-        st.kept += fr + sk + dk
-        st.bytes += fr * rb[2] + (sf + df) * rb[0] + sk * rb[1] + dc * self._dense_rest_bytes
+        self._stats.tokens += tokens
+        self._count(fused=fr, first=first, gate_up=gu, up_dense=upd, up_rows=upr, down_dense=dd, down_rows=dr,
+                    kept=kept)
         if self.predictor is not None:
-            st.bytes += pc * self.predictor.nbytes
-        st.predictor_seconds += seconds
+            self._stats.bytes += pc * self.predictor.nbytes
+        self._stats.predictor_seconds += seconds
+
+    def _count(self, fused: int = 0, first: int = 0, gate_up: int = 0, up_dense: int = 0, up_rows: int = 0,
+               down_dense: int = 0, down_rows: int = 0, kept: int = 0) -> None:
+        """Add to the counters: rows through the fused kernel, first-projection rows, dense
+        gate+up passes, dense ups, up rows, dense downs, down_t rows, neurons kept."""
+        self.down_t  # noqa: B018 (sets the byte counts)
+        st, n, rb = self._stats, self.n_neurons, self._rb
+        st.rows += ((3 if self.gate is not None else 2) * fused + first + 2 * n * gate_up + n * up_dense + up_rows
+                    + n * down_dense + down_rows)
+        st.kept += fused + kept
+        st.bytes += fused * rb[2] + first * rb[0] + down_rows * rb[3] + down_dense * self.down.weight.nbytes
+        if self.gate is not None:
+            st.bytes += gate_up * self._gate_up.nbytes + up_dense * self.up.nbytes + up_rows * self.up.row_bytes()
 
     @property
     def down_t(self) -> QWeight:
@@ -168,10 +204,9 @@ class SparseFFN(nn.Module):
         if self._down_t is None:
             self._down_t = transpose_neuron_major(self.down.weight, self.order)
             g = 0 if self.gate is None else self.gate.row_bytes()
-            # bytes per row read by decode: first projection, up + down_t, all three
-            self._rb = (self.first.row_bytes(), self.down_t.row_bytes() + (self.up.row_bytes() if g else 0),
-                        self.up.row_bytes() + self.down_t.row_bytes() + g)
-            self._dense_rest_bytes = self.down.weight.nbytes + (self.up.nbytes if g else 0)
+            # bytes per row read by decode: first projection, -, all three (fused kernel), down_t
+            self._rb = (self.first.row_bytes(), 0, self.up.row_bytes() + self.down_t.row_bytes() + g,
+                        self.down_t.row_bytes())
         return self._down_t
 
     def down_column_norms(self) -> torch.Tensor:
@@ -186,6 +221,31 @@ class SparseFFN(nn.Module):
     @property
     def first_bias(self) -> torch.Tensor | None:
         return self.up_bias if self.gate is None else self.gate_bias
+
+    @property
+    def crossover(self) -> float:
+        """The kept fraction above which down runs dense (its stored weight, h scattered) rather
+        than `axpy_rows` over the kept rows of the q8 `down_t`: `dense_crossover`, or where the
+        rows' time reaches the dense product's, by bytes and the measured cost per byte
+        (`AXPY_COST`).  A q8 down (from Q6_K) gives ~0.5, a q4 one ~0.26."""
+        if self.dense_crossover is not None:
+            return self.dense_crossover
+        self.down_t  # noqa: B018 (sets the byte counts)
+        return min(1.0, self.down.weight.nbytes / (self.n_neurons * self._rb[3] * AXPY_COST))
+
+    @property
+    def up_crossover(self) -> float:
+        """The kept fraction above which up runs dense rather than `gemv_rows` on the kept rows:
+        `dense_crossover`, or where the rows' time reaches the dense gemv's (`GEMV_ROWS_COST`)."""
+        if self.dense_crossover is not None:
+            return self.dense_crossover
+        return 1.0 / GEMV_ROWS_COST
+
+    @property
+    def _dense_gate_up(self) -> bool:
+        """`dense_gate_up` applies: chosen, and gate/up still are views of the fused weight."""
+        return (self.dense_gate_up and self._gate_up is not None
+                and self.gate is self._parts[0] and self.up is self._parts[1])
 
     @property
     def _fusable(self) -> bool:
@@ -310,9 +370,7 @@ class SparseFFN(nn.Module):
 
     def _sparse_rows(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         cpu = _kernels()
-        st = self.stats
-        st.tokens += 1
-        n_mats = 2 if self.gate is None else 3
+        self.stats.tokens += 1
         if rows is None:
             return self._staged(cpu, x, None, self.threshold)
         if rows.numel() == 0:
@@ -321,11 +379,8 @@ class SparseFFN(nn.Module):
         if self._fused is None:
             self._fused = self._fusable
         if self._fused or (forced and self._fusable_forced):
-            down_t = self.down_t
-            st.rows += n_mats * rows.numel()
-            st.kept += rows.numel()
-            st.bytes += rows.numel() * self._rb[2]
-            return cpu.sparse_ffn(x, self.gate, self.up, down_t, rows, self.kernel_act)
+            self._count(fused=rows.numel())
+            return cpu.sparse_ffn(x, self.gate, self.up, self.down_t, rows, self.kernel_act)
         return self._staged(cpu, x, rows, -1.0 if forced else self.threshold)
 
     @property
@@ -333,63 +388,53 @@ class SparseFFN(nn.Module):
         return self.act_name != "drelu" and self.gate_bias is None and self.up_bias is None
 
     def _staged(self, cpu, x: torch.Tensor, rows: torch.Tensor | None, cut: float) -> torch.Tensor:
-        """First projection on the candidate rows (rows None: all, dense), threshold cut, then
-        up/down on the kept rows."""
+        """First projection on the candidate rows (rows None: all, dense; with up in one pass
+        when `_dense_gate_up`), threshold cut, then up on the kept rows (dense above
+        `up_crossover`) and down on them (dense above `crossover`)."""
+        n = self.n_neurons
+        u_all = None  # up of every neuron, once a dense pass has computed it
         if rows is None:
-            pre = cpu.gemv(self.first, x)
+            if self._dense_gate_up:
+                pre, u_all = cpu.gemv(self._gate_up, x).split(n)
+                self._count(gate_up=1)
+            else:
+                pre = cpu.gemv(self.first, x)
+                self._count(first=n)
             if self.first_bias is not None:
                 pre = pre + self.first_bias
+            rows = self._all_rows
         else:
             pre = cpu.gemv_rows(self.first, x, rows)
+            self._count(first=rows.numel())
             if self.first_bias is not None:
                 pre = pre + self.first_bias[rows]
         a = self.act(pre)
         keep = a.abs() > cut
-        n_first = self.n_neurons if rows is None else rows.numel()
-        if int(keep.sum()) > self.dense_crossover * self.n_neurons:
-            if rows is not None:  # scatter the candidates' activations into all n neurons
-                a = torch.zeros(self.n_neurons).index_copy_(0, rows.long(), a)
-                keep = torch.zeros(self.n_neurons, dtype=torch.bool).index_copy_(0, rows.long(), keep)
-            return self._dense_rest(cpu, x, a, keep, n_first)
-        if rows is None:  # ids of every row, for the selection and bookkeeping below
-            rows = self._all_rows
-        if self.gate is not None:
-            kept = rows[keep]
-            u = cpu.gemv_rows(self.up, x, kept) if kept.numel() else torch.zeros(0)
+        kept, h = rows[keep], a[keep]
+        nk = kept.numel()
+        self._count(kept=nk)
+        if self.gate is not None and nk:
+            if u_all is None and nk > self.up_crossover * n:
+                u_all = cpu.gemv(self.up, x)
+                self._count(up_dense=1)
+            if u_all is not None:
+                u = u_all[kept.long()]
+            else:
+                u = cpu.gemv_rows(self.up, x, kept)
+                self._count(up_rows=nk)
             if self.up_bias is not None:
                 u = u + self.up_bias[kept]
             if self.act_name == "drelu":
                 u = F.relu(u)
-            h = a[keep] * u
-        else:
-            kept, h = rows[keep], a[keep]
-        down_t, st = self.down_t, self.stats
-        n_second = 2 if self.gate is not None else 1
-        st.rows += rows.numel() + n_second * kept.numel()
-        st.kept += kept.numel()
-        st.bytes += rows.numel() * self._rb[0] + kept.numel() * self._rb[1]
-        if kept.numel() == 0:
-            return torch.zeros(self.d_model)
-        return cpu.axpy_rows(down_t, h.contiguous(), kept)
-
-    def _dense_rest(self, cpu, x: torch.Tensor, a: torch.Tensor, keep: torch.Tensor, n_first: int) -> torch.Tensor:
-        """Most neurons kept: up and down dense (their stored formats), h masked, same result."""
-        h = a * keep
-        if self.gate is not None:
-            u = cpu.gemv(self.up, x)
-            if self.up_bias is not None:
-                u = u + self.up_bias
-            if self.act_name == "drelu":
-                u = F.relu(u)
             h = h * u
-        if self.permuted:
-            h = h.index_select(0, self.inverse)
-        self.down_t  # noqa: B018 (sets the cached byte counts)
-        st, n = self.stats, self.n_neurons
-        st.rows += n_first + n * (2 if self.gate is not None else 1)
-        st.kept += int(keep.sum())
-        st.bytes += n_first * self._rb[0] + self._dense_rest_bytes
-        return cpu.gemv(self.down.weight, h.contiguous())
+        if nk > self.crossover * n:  # down dense, in its stored column order
+            self._count(down_dense=1)
+            full = torch.zeros(n).index_copy_(0, self.order[kept.long()], h)
+            return cpu.gemv(self.down.weight, full)
+        if nk == 0:
+            return torch.zeros(self.d_model)
+        self._count(down_rows=nk)
+        return cpu.axpy_rows(self.down_t, h.contiguous(), kept)
 
     # ------------------------------------------------------------------ C decode step
     def decode_args(self, norm: nn.Module | None) -> tuple | None:
@@ -402,7 +447,8 @@ class SparseFFN(nn.Module):
         if self._mode != "predict" or self.observer is not None or not _kernels().available():
             return None
         key = (norm, None if norm is None else norm.weight, self.gate, self.up, self.gate_bias, self.up_bias,
-               self.down.weight, self.down.bias, self.predictor, self._threshold, self.density, self.dense_crossover)
+               self.down.weight, self.down.bias, self.predictor, self._threshold, self.density, self.dense_crossover,
+               self.dense_gate_up)
         return _reuse(self, key, lambda: self._build_decode_args(norm))
 
     def _build_decode_args(self, norm: nn.Module | None) -> tuple | None:
@@ -427,11 +473,12 @@ class SparseFFN(nn.Module):
         topk = self._k() if forced and p is not None else 0
         pred = (*cpu._desc(p.w1), ptr(p.b1), *cpu._desc(p.w2t), ptr(p.cut)) if p is not None \
             else (*cpu._NO_GATE, 0, *cpu._NO_GATE, 0)
-        static = (self.d_model, code, int(self.act_name == "drelu"), int(fused), self.n_neurons,
+        flags = int(fused) | (2 if self._dense_gate_up else 0)
+        static = (self.d_model, code, int(self.act_name == "drelu"), flags, self.n_neurons,
                   *cpu._desc(self.first), ptr(self.first_bias),
                   *(cpu._desc(self.up) if gated else cpu._NO_GATE), ptr(self.up_bias if gated else None),
                   *cpu._desc(self.down_t), *cpu._desc(self.down.weight), self._order32.data_ptr(),
-                  ptr(self.down.bias), *pred, topk, -1.0 if forced else self.threshold, self.dense_crossover,
+                  ptr(self.down.bias), *pred, topk, -1.0 if forced else self.threshold, self.crossover, self.up_crossover,
                   self._ccount.ctypes.data)
         return (0 if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps, static)
 
