@@ -195,6 +195,29 @@ def test_c_decode_step_equals_python_driven_kernels(act, gated, bias, fmt, rows,
 
 
 @needs_c
+def test_c_top_k_ties_go_to_the_lowest_rows():
+    """Forced density ranks by predictor score; where scores tie (here: a zero W2, so the
+    scores are minus the cut, which takes three values) the C step's radix select and the
+    Python ranking both keep the lowest row ids, and agree on the output."""
+    mlp = _mlp("silu", True, False, fmt="q8")
+    n, d = mlp.n_neurons, mlp.down.out_features
+    s = random_predictor(d, n, 0.0)
+    b2 = torch.tensor([0.0, 1.0, 2.0]).repeat(n)[torch.randperm(3 * n, generator=torch.Generator().manual_seed(2))[:n]]
+    pred = QPredictor(s["w1"], s["b1"], torch.zeros_like(s["w2"]), b2, 0.2)
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(5))
+    for density in (0.1, 0.3, 0.5, 1.0):
+        ffn = SparseFFN(mlp, 0.0, None, pred, density=density)
+        k = ffn._k()
+        rows = pred.top_rows(x[0], k)
+        want = torch.sort(b2, descending=True, stable=True).indices[:k].sort().values.to(torch.int32)
+        assert torch.equal(rows, want)
+        with torch.inference_mode():
+            fast = torch.stack([ffn.decode(r) for r in x])
+            slow = torch.stack([ffn.decode_py(r) for r in x])
+        torch.testing.assert_close(fast, slow, atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
+
+
+@needs_c
 def test_gate_up_fused_views_and_their_checks():
     """SparseFFN keeps its permuted gate and up as row views of one weight (no second copy); the
     dense gate+up pass is dropped (same result) once a part is replaced, and the C step refuses

@@ -92,8 +92,9 @@ class QPredictor:
 
     def top_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """The k highest-scoring rows, int32 ascending (ranked by logit - tau, as the C decode
-        step does: the same order as the logits)."""
-        return self._raw(x).sub_(self.cut).topk(k, sorted=False).indices.sort().values.to(torch.int32)
+        step does: the same order as the logits; ties go to the lowest ids, as there)."""
+        order = self._raw(x).sub_(self.cut).sort(descending=True, stable=True).indices
+        return order[:k].sort().values.to(torch.int32)
 
     def scores_batch(self, x2: torch.Tensor) -> torch.Tensor:
         """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
