@@ -15,8 +15,11 @@ Modes (`mode`):
 - ``predict`` (runtime): one token (B = T = 1) runs the predictor, then the sparse kernels on
   the predicted rows, with the threshold applied inside that set (false positives are zeroed
   exactly as the sparsified model would).  Without a predictor (the pack's "first" policy,
-  where predicting costs more than it saves) the first projection runs dense and the threshold
-  picks the rows of up/down: exact.  Prefill (T > 1) is dense with the threshold mask;
+  where predicting costs more than it saves) the first projection runs dense (with up, in one
+  pass over their fused weight, where most neurons stay active) and the threshold picks the
+  rows of up/down: exact.  Up and down each run dense instead above a kept fraction set by
+  their bytes and the kernels' measured cost per byte (`crossover`, `up_crossover`).
+  Prefill (T > 1) is dense with the threshold mask;
   batched decode (T = 1, B > 1) applies predictor x threshold masks per token.
 - ``faithful`` (perplexity): every token, T > 1 included, gets predictor mask x threshold mask
   on the dense hidden activations: mathematically what per-token sparse decode computes.
@@ -122,10 +125,10 @@ class SparseFFN(nn.Module):
         self.mode = mode
         self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
         self._stats = DecodeStats()
-        # counters of the C decode step (`decode_into`), folded into `stats` when read: tokens, fused
-        # rows, staged first/kept rows, dense-rest first/kept rows and count, predictions, dense
-        # gate+up tokens and their kept rows; then
-        # the predictor's seconds as a float64 in the last slot (numpy: no inference-mode tensor)
+        # counters of the C decode step (`decode_into`), folded into `stats` when read (`_count`):
+        # tokens, fused-kernel rows, first-projection rows, gate+up passes, dense ups, up rows,
+        # dense downs, down_t rows, neurons kept, predictions; then the predictor's seconds as a
+        # float64 in the last slot (numpy: no inference-mode tensor)
         self._ccount = np.zeros(11, dtype=np.int64)
         self._row_bank: list[torch.Tensor] | None = None  # forced density without a predictor
         self._row_next = [0]  # next set of the bank (a list: no Module.__setattr__ per token)
@@ -194,7 +197,7 @@ class SparseFFN(nn.Module):
         st.rows += ((3 if self.gate is not None else 2) * fused + first + 2 * n * gate_up + n * up_dense + up_rows
                     + n * down_dense + down_rows)
         st.kept += fused + kept
-        st.bytes += fused * rb[2] + first * rb[0] + down_rows * rb[3] + down_dense * self.down.weight.nbytes
+        st.bytes += fused * rb[1] + first * rb[0] + down_rows * rb[2] + down_dense * self.down.weight.nbytes
         if self.gate is not None:
             st.bytes += gate_up * self._gate_up.nbytes + up_dense * self.up.nbytes + up_rows * self.up.row_bytes()
 
@@ -204,8 +207,8 @@ class SparseFFN(nn.Module):
         if self._down_t is None:
             self._down_t = transpose_neuron_major(self.down.weight, self.order)
             g = 0 if self.gate is None else self.gate.row_bytes()
-            # bytes per row read by decode: first projection, -, all three (fused kernel), down_t
-            self._rb = (self.first.row_bytes(), 0, self.up.row_bytes() + self.down_t.row_bytes() + g,
+            # bytes per row read by decode: first projection, all three (fused kernel), down_t
+            self._rb = (self.first.row_bytes(), self.up.row_bytes() + self.down_t.row_bytes() + g,
                         self.down_t.row_bytes())
         return self._down_t
 
@@ -231,7 +234,7 @@ class SparseFFN(nn.Module):
         if self.dense_crossover is not None:
             return self.dense_crossover
         self.down_t  # noqa: B018 (sets the byte counts)
-        return min(1.0, self.down.weight.nbytes / (self.n_neurons * self._rb[3] * AXPY_COST))
+        return min(1.0, self.down.weight.nbytes / (self.n_neurons * self._rb[2] * AXPY_COST))
 
     @property
     def up_crossover(self) -> float:
