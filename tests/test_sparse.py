@@ -13,7 +13,7 @@ from sparseinfer.io.weights import SafetensorsSource
 from sparseinfer.kernels import cpu
 from sparseinfer.models.layers import MLP, Linear
 from sparseinfer.models.registry import build_model
-from sparseinfer.quant import from_float
+from sparseinfer.quant import QWeight, from_float
 from sparseinfer.sparse import calibrate as cal
 from sparseinfer.sparse.apply import (bench_fields, ffn_slots, replace_ffns, reset_stats, resolve_pack, restore, set_mode,
                                       sparse_ffns, sparsify)
@@ -244,6 +244,28 @@ def test_gate_up_fused_views_and_their_checks():
     y = torch.empty(d)
     with pytest.raises(ValueError, match="not one fused weight"):
         cpu._cpu.decode_sparse_mlp(x[0].contiguous().data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, *static)
+
+
+@pytest.mark.parametrize("fmt,bias", [("f32", False), ("q4", False), ("q8", True)])
+def test_prefill_hidden_through_the_fused_gate_up(fmt, bias):
+    """T > 1 runs one product over the fused gate+up weight; the same activations as gate and
+    up apart (parts replaced by copies: the un-fused path)."""
+    mlp = _mlp("silu", True, bias, fmt=fmt)
+    ffn = SparseFFN(mlp, 0.1, torch.randperm(mlp.n_neurons, generator=torch.Generator().manual_seed(0)),
+                    mode="threshold")
+    x = torch.randn(2, 9, mlp.down.out_features, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        assert ffn._gate_up_intact
+        a, h = ffn.hidden(x.view(-1, x.shape[-1]))
+        fused = ffn(x)
+        ffn.gate = QWeight(ffn.gate.fmt, ffn.gate.rows, ffn.gate.cols, *(None if t is None else t.clone()
+                           for t in (ffn.gate.qs, ffn.gate.d, ffn.gate.m)))
+        assert not ffn._gate_up_intact
+        a2, h2 = ffn.hidden(x.view(-1, x.shape[-1]))
+        apart = ffn(x)
+    torch.testing.assert_close(a, a2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, h2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, apart, atol=1e-5, rtol=1e-5)
 
 
 def test_expected_density_picks_the_dense_gate_up_pass():

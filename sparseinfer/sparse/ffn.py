@@ -245,10 +245,14 @@ class SparseFFN(nn.Module):
         return 1.0 / GEMV_ROWS_COST
 
     @property
+    def _gate_up_intact(self) -> bool:
+        """Gate and up still are the views of the fused weight (not moved or replaced)."""
+        return self._gate_up is not None and self.gate is self._parts[0] and self.up is self._parts[1]
+
+    @property
     def _dense_gate_up(self) -> bool:
         """`dense_gate_up` applies: chosen, and gate/up still are views of the fused weight."""
-        return (self.dense_gate_up and self._gate_up is not None
-                and self.gate is self._parts[0] and self.up is self._parts[1])
+        return self.dense_gate_up and self._gate_up_intact
 
     @property
     def _fusable(self) -> bool:
@@ -261,10 +265,19 @@ class SparseFFN(nn.Module):
     def hidden(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(M, d) -> (a, h), both (M, n) in hotness order, before masking."""
         lin = lambda w, b: Linear(w, b)(x2)  # noqa: E731
-        a = self.act(lin(self.first, self.first_bias))
+        if self.gate is not None and x2.is_cpu and self._gate_up_intact:
+            # one product over the fused gate+up rows: x is quantized once (prefill, as `MLP`)
+            g, u = Linear(self._gate_up, None)(x2).split(self.n_neurons, dim=-1)
+            if self.gate_bias is not None:
+                g = g + self.gate_bias
+            if self.up_bias is not None:
+                u = u + self.up_bias
+        else:
+            g = lin(self.first, self.first_bias)
+            u = None if self.gate is None else lin(self.up, self.up_bias)
+        a = self.act(g)
         if self.gate is None:
             return a, a
-        u = lin(self.up, self.up_bias)
         if self.act_name == "drelu":
             u = F.relu(u)
         return a, a * u
