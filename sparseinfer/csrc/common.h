@@ -153,6 +153,12 @@ static inline float si_act_apply(int act, float v) {
     }
 }
 
+/* v[i] = act(v[i]) in place, one float at a time (the scalar level's `act`, and the SIMD
+ * levels' for the activations they do not vectorize) */
+static inline void si_act_each(int act, float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) v[i] = si_act_apply(act, v[i]);
+}
+
 /* Number of lanes of `de` per token for a given kp (both layouts fit in 8 per block). */
 static inline int64_t si_de_len(int64_t nb) { return 8 * nb + 16; }
 

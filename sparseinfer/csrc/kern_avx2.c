@@ -576,7 +576,7 @@ AI __m256 act8(int act, __m256 v) {
 
 void si_act_avx2(int act, float *v, int64_t n) {
     if (act != ACT_SILU && act != ACT_RELU) {
-        for (int64_t i = 0; i < n; i++) v[i] = si_act_apply(act, v[i]);
+        si_act_each(act, v, n);
         return;
     }
     int64_t i = 0;

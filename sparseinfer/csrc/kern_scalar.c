@@ -133,8 +133,4 @@ static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
     return acc;
 }
 
-static void act(int code, float *v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) v[i] = si_act_apply(code, v[i]);
-}
-
-const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, act};
+const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, si_act_each};

@@ -292,7 +292,6 @@ static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *a, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* rms_norm(x, w, y, rows, n, eps): y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, float32 */
 /* act(code, v, n): v[i] = act(v[i]) in place (float32) */
 static PyObject *py_act(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *v;
@@ -306,6 +305,7 @@ static PyObject *py_act(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     Py_RETURN_NONE;
 }
 
+/* rms_norm(x, w, y, rows, n, eps): y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, float32 */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *x, *w, *y;
     int64_t rows, n;
