@@ -9,7 +9,8 @@
    rotated so the working set (>= 1.5 GB) far exceeds the last-level cache.
 3. Sparse kernels on the neuron-major shapes (d_ff x d_model): gemv_rows (gate/up), axpy_rows
    (down_t) and the fused sparse_ffn at active fractions 1, 0.5, 0.25, 0.1, 0.05 (random
-   sorted row ids), timed against the dense kernel reading the same bytes.
+   sorted row ids), timed against the dense kernel reading the same bytes; sparse_ffn also on
+   neuron records (q4/q8: one contiguous gate+up+down_t record per neuron).
 4. For the record: torch index_select + linear, torch linear, numba Q4 gemv.
 
 Every timing is the best of several passes (the machine may be shared).  --json writes a
@@ -144,6 +145,8 @@ class Bench:
         nffn = max(2, len(ws) // 3)
         ffn = [(ws[3 * i % len(ws)], ws[(3 * i + 1) % len(ws)], ws[(3 * i + 2) % len(ws)]) for i in range(nffn)]
         act = "silu"
+        # the same triples as neuron records (one contiguous record per neuron; q4/q8 only)
+        recs = [cpu.neuron_records(list(t))[1] for t in ffn] if fmt in ("q4", "q8") else None
         for frac in FRACTIONS:
             n = max(1, round(frac * d_ff))
             rows = torch.sort(torch.randperm(d_ff, generator=g)[:n])[0].to(torch.int32)
@@ -156,10 +159,17 @@ class Bench:
             t3 = best_time(lambda: [cpu.sparse_ffn(x, a, b, c, rows, act, out=xo) for a, b, c in ffn],
                            self.args.reps) / nffn
             self.add("sparse_ffn", fmt, d_ff, d_model, frac, t3, 3 * touched, vs_dense=t3 / (2 * t_up + t_down))
+            msg = ""
+            if recs is not None:
+                t4 = best_time(lambda: [cpu.sparse_ffn(x, a, b, c, rows, act, out=xo) for a, b, c in recs],
+                               self.args.reps) / nffn
+                self.add("sparse_ffn_records", fmt, d_ff, d_model, frac, t4, 3 * touched,
+                         vs_dense=t4 / (2 * t_up + t_down))
+                msg = f" records {t4 * 1e3:6.3f} ms ({(2 * t_up + t_down) / t4:4.1f}x)"
             log(f"  {fmt:4s} {d_ff}x{d_model} active {frac:4.2f}: gemv_rows {t * 1e3:6.3f} ms ({t_up / t:4.1f}x) "
                 f"axpy_rows {t2 * 1e3:6.3f} ms ({t_down / t2:4.1f}x) sparse_ffn {t3 * 1e3:6.3f} ms "
-                f"({(2 * t_up + t_down) / t3:4.1f}x)")
-        del ws, ffn
+                f"({(2 * t_up + t_down) / t3:4.1f}x)" + msg)
+        del ws, ffn, recs
 
     # ------------------------------------------------------------------------ extras
     def extras(self, d_ff, d_model):
@@ -333,7 +343,8 @@ def write_markdown(path, b: Bench, meta):
                          f"{r['gbps']:.1f} | {100 * r['gbps'] / b.probe:.0f}% |")
     lines += ["", "## Sparse kernels: time relative to the dense gemv of the same bytes",
               "", "Random sorted active rows; `gemv_rows` vs dense gate/up gemv, `axpy_rows` vs dense "
-              "down gemv (d_model x d_ff), `sparse_ffn` (gate+up+down fused) vs the three dense gemvs. "
+              "down gemv (d_model x d_ff), `sparse_ffn` (gate+up+down fused) vs the three dense gemvs, "
+              "`sparse_ffn_records` the same on neuron records (one contiguous gate+up+down_t record per neuron). "
               "Ideal = the active fraction.", ""]
     shapes = sorted({(r["rows"], r["cols"]) for r in R if r["kernel"] == "gemv_rows"})
     fmts = [f for f in b.args.formats if any(r["kernel"] == "gemv_rows" and r["format"] == f for r in R)]
@@ -341,7 +352,7 @@ def write_markdown(path, b: Bench, meta):
     lines += [head, "|---|---|---|" + "---:|" * (len(FRACTIONS) + 1)]
     for shape in shapes:
         for fmt in fmts:
-            for k in ("gemv_rows", "axpy_rows", "sparse_ffn"):
+            for k in ("gemv_rows", "axpy_rows", "sparse_ffn", "sparse_ffn_records"):
                 rs = {r["active_fraction"]: r for r in R if r["kernel"] == k and r["format"] == fmt
                       and (r["rows"], r["cols"]) == shape}
                 if not rs:
@@ -354,7 +365,7 @@ def write_markdown(path, b: Bench, meta):
               "|---|---|---|" + "---:|" * len(FRACTIONS)]
     for shape in shapes:
         for fmt in fmts:
-            for k in ("gemv_rows", "axpy_rows", "sparse_ffn"):
+            for k in ("gemv_rows", "axpy_rows", "sparse_ffn", "sparse_ffn_records"):
                 rs = {r["active_fraction"]: r for r in R if r["kernel"] == k and r["format"] == fmt
                       and (r["rows"], r["cols"]) == shape}
                 if rs:
@@ -403,7 +414,7 @@ def write_plot(path, b: Bench):
 
     shapes = sorted({(r["rows"], r["cols"]) for r in b.records if r["kernel"] == "gemv_rows"})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
-    styles = {"gemv_rows": "-", "axpy_rows": "--", "sparse_ffn": ":"}
+    styles = {"gemv_rows": "-", "axpy_rows": "--", "sparse_ffn": ":", "sparse_ffn_records": "-."}
     colors = dict(zip(b.args.formats, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for ax, shape in zip(axes[0], shapes):
         for fmt in b.args.formats:

@@ -287,15 +287,23 @@ def ffn_expected(x, gate, up, down_t, rows, act):
     return h @ dn, h.abs() @ ref.magnitude(down_t)[rows.long()]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["q8-records", "q8m-records", "q4-records", "q4q8-records"])
 @pytest.mark.parametrize("act", ["silu", "relu", "gelu", "gelu_tanh"])
 def test_sparse_ffn(level, fmt, act):
+    """The fused sparse FFN, on separate weights and on neuron records (`neuron_records`: one
+    row of gate, up and down_t per record, which `sparse_ffn` takes in one pass)."""
     g = torch.Generator().manual_seed(5)
+    records = fmt.endswith("-records")
+    fmt = fmt.removesuffix("-records")
+    fmts = ("q4", "q8", "q8") if fmt == "q4q8" else (fmt,) * 3
     for i, (d_model, d_ff) in enumerate([(32, 64), (100, 37), (96, 300)]):
         gated = i != 1
-        gate = make_weight(fmt, d_ff, d_model, seed=10 + i) if gated else None
-        up = make_weight(fmt, d_ff, d_model, seed=20 + i)
-        down_t = make_weight(fmt, d_ff, d_model, seed=30 + i)
+        gate = make_weight(fmts[0], d_ff, d_model, seed=10 + i) if gated else None
+        up = make_weight(fmts[1], d_ff, d_model, seed=20 + i)
+        down_t = make_weight(fmts[2], d_ff, d_model, seed=30 + i)
+        if records:
+            _, ws = cpu.neuron_records([w for w in (gate, up, down_t) if w is not None])
+            gate, up, down_t = ws if gated else (None, *ws)
         x = rand(d_model, seed=i) * 0.5
         for name, rows in row_sets(d_ff, g).items():
             y = cpu.sparse_ffn(x, gate, up, down_t, rows, act)
@@ -566,3 +574,49 @@ def test_attend1_matches_float64_attention(level, threads, H, Hk, D, L):
 def test_attend1_falls_back_for_other_inputs():
     q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)  # 3 queries
     assert torch.allclose(cpu.attend1(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+# -------------------------------------------------------------------------- strided row views
+
+def strided_copy(w: QWeight, pad_bytes: int = 96) -> tuple[torch.Tensor, QWeight]:
+    """`w` as row views into one wider buffer (values, then scales and mins, then padding per
+    row), the layout of SparseFFN's neuron records; returns (buffer, view weight)."""
+    parts = [(n, getattr(w, n)) for n in ("qs", "d", "m") if getattr(w, n) is not None]
+    widths = [t.shape[1] * t.element_size() for _, t in parts]
+    buf = torch.zeros(w.rows, sum(widths) + pad_bytes, dtype=torch.uint8)
+    views, o = {}, 0
+    for (n, t), nb in zip(parts, widths):
+        buf[:, o:o + nb].copy_(t.contiguous().view(torch.uint8).view(w.rows, nb))
+        views[n] = buf[:, o:o + nb].view(t.dtype)
+        o += nb
+    return buf, QWeight(w.fmt, w.rows, w.cols, views["qs"], views.get("d"), views.get("m"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_strided_row_views_equal_contiguous_weights(level, fmt):
+    """Every kernel reads a weight given as row views of a wider buffer (a row stride above
+    the row's width, for values and scales) exactly as the contiguous weight."""
+    g = torch.Generator().manual_seed(7)
+    for i, (n, k) in enumerate([(5, 7), (37, 100), (64, 256), (6, 4096 + 96)]):
+        w = make_weight(fmt, n, k, seed=i)
+        buf, v = strided_copy(w)
+        assert not v.qs.is_contiguous() or n == 1
+        x, X = rand(k, seed=i), rand(3, k, seed=i + 1)
+        assert torch.equal(cpu.gemv(v, x), cpu.gemv(w, x))
+        assert torch.equal(cpu.matmul(v, X), cpu.matmul(w, X))
+        for rows in row_sets(n, g).values():
+            assert torch.equal(cpu.gemv_rows(v, x, rows), cpu.gemv_rows(w, x, rows))
+            h = rand(rows.numel(), seed=i)
+            assert torch.equal(cpu.axpy_rows(v, h, rows), cpu.axpy_rows(w, h, rows))
+
+
+def test_strided_views_are_checked():
+    """Views whose values are not contiguous within a row, or whose scales and mins have
+    different row strides, are refused with a clear error."""
+    w = make_weight("q8m", 8, 64)
+    _, v = strided_copy(w)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.gemv(QWeight("q8", 8, 64, torch.zeros(64, 8, dtype=torch.int8).t(), w.d, w.m), rand(64))
+    m2 = torch.zeros(8, 8, dtype=torch.float16)[:, :2]
+    with pytest.raises(ValueError, match="same row stride"):
+        cpu.gemv(QWeight("q8", 8, 64, v.qs, v.d, m2), rand(64))

@@ -276,6 +276,80 @@ def test_expected_density_picks_the_dense_gate_up_pass():
 
 
 @needs_c
+@pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "q4"), ("gelu", False, True, "q8"),
+                                                 ("drelu", True, True, "q8")])
+@pytest.mark.parametrize("rows", ["predictor", "top-k", "bank"])
+def test_neuron_records(act, gated, bias, fmt, rows):
+    """Low-density layers keep each neuron's first, up and down_t rows (scales included) in one
+    contiguous record; the C step's one pass over the records == `decode_py` (same counters),
+    == the staged C step without records (up and down on the kept rows), is close to the slow reference, and is
+    bit-identical across thread counts.  A records flag on weights that are not records is
+    refused."""
+    mlp = _mlp(act, gated, bias, fmt=fmt, n=300)
+    n, d = mlp.n_neurons, mlp.down.out_features
+    s = random_predictor(d, n, 0.0)
+    pred = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2) if rows != "bank" else None
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    density = 0.2 if rows != "predictor" else None
+    mk = lambda: SparseFFN(mlp, 0.1, order, pred, density=density, expected_density=0.3)  # noqa: E731
+    ffn, plain = mk(), mk()
+    plain.records, plain.dense_crossover = False, 1.0  # up and down on the kept rows, as records
+    assert ffn._records_wanted and not plain._records_wanted
+    ffn.make_records()
+    assert ffn._records_intact and ffn._gate_up is None
+    rec = ffn._records
+    stride = rec.stride(0)
+    assert stride % 64 == 0
+    parts = [ffn.first, ffn.up, ffn.down_t] if gated else [ffn.up, ffn.down_t]
+    for w in parts:  # every row's values and scales lie in its record
+        for t in (w.qs, w.d, w.m):
+            if t is not None:
+                assert t.stride(0) * t.element_size() == stride
+                off = t.data_ptr() - rec.data_ptr()
+                assert 0 <= off and off + t.shape[1] * t.element_size() <= stride
+    x = torch.randn(6, d, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        assert ffn.decode_args(None)[2][3] & 4 and not plain.decode_args(None)[2][3] & 4
+        fast = torch.stack([ffn.decode(r) for r in x])
+        fast_stats = _stats(ffn)
+        ffn.stats.reset()
+        ffn._row_next[0] = 0
+        slow = torch.stack([ffn.decode_py(r) for r in x])
+        slow_stats = _stats(ffn)
+        staged = torch.stack([plain.decode(r) for r in x])
+        nt = cpu.get_num_threads()
+        try:
+            cpu.set_num_threads(1)
+            ffn._row_next[0] = 0
+            one = torch.stack([ffn.decode(r) for r in x])
+        finally:
+            cpu.set_num_threads(nt)
+        static = list(plain.decode_args(None)[2])
+    assert torch.equal(one, fast)
+    assert fast_stats == slow_stats and fast_stats[0] == 6
+    tol = dict(atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
+    torch.testing.assert_close(fast, slow, **tol)
+    torch.testing.assert_close(fast, staged, **tol)
+    if rows == "predictor":
+        ref = ffn.reference(x)
+        torch.testing.assert_close(fast, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+    static[3] |= 4  # records claimed for separate weights
+    y = torch.empty(d)
+    with pytest.raises(ValueError, match="not neuron records"):
+        cpu._cpu.decode_sparse_mlp(x[0].contiguous().data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, *static)
+
+
+def test_records_follow_the_expected_density():
+    mlp = _mlp("silu", True, False, fmt="q4")
+    s = random_predictor(40, 96, 0.0)
+    pred = QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], 0.2)
+    assert SparseFFN(mlp, 0.1, None, pred, expected_density=0.3)._records_wanted
+    assert not SparseFFN(mlp, 0.1, None, pred, expected_density=0.7)._records_wanted
+    assert not SparseFFN(mlp, 0.1, None, None, expected_density=0.3)._records_wanted  # reads all rows anyway
+    assert not SparseFFN(_mlp("silu", True, False), 0.1, None, pred, expected_density=0.3)._records_wanted  # f32
+
+
+@needs_c
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("density", [None, 0.25])
 def test_blocks_decode_sparse_ffns_in_c(kind, density, tmp_path, tokens, monkeypatch):

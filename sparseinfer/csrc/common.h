@@ -6,6 +6,9 @@
  *   q4: qs uint8 rows x kp/2 (GGUF nibble order: byte j = value j | value j+16 << 4 within
  *       each 32-block); d, m f16 rows x nb.  value = d*q + m
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
+ *   Rows may be strided (`row_bytes`, `ds` above the natural widths): the neuron records of
+ *   a SparseFFN keep one neuron's gate, up and down_t rows and scales in one contiguous block,
+ *   and its weights are row views into them.
  *
  * Activations for the integer formats are quantized once per call to int8 blocks of 32
  * (`xq_t`): q = round(x * 127/amax), d = amax/127, s = d * sum(q)
@@ -46,10 +49,11 @@ enum { ACT_INT8 = 0, ACT_PRECISE = 1 };
 typedef struct {
     int fmt;
     int64_t rows, cols, kp, nb;
-    int64_t row_bytes;          /* bytes of one row of qs */
+    int64_t row_bytes;          /* row stride of qs in bytes (>= the bytes of one row's values) */
+    int64_t ds;                 /* row stride of d and m in f16 elements (>= nb) */
     const uint8_t *qs;
-    const uint16_t *d;          /* f16 rows x nb (quantized formats) */
-    const uint16_t *m;          /* f16 rows x nb or NULL */
+    const uint16_t *d;          /* f16 rows x nb (quantized formats), row r at d + r*ds */
+    const uint16_t *m;          /* f16 rows x nb or NULL, row r at m + r*ds */
 } qmat_t;
 
 /* T quantized activation vectors, token t at q + t*q_stride etc. */

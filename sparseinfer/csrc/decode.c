@@ -166,8 +166,9 @@ static int64_t predict_rows(const sparse_mlp_t *s, const float *xn, float *z, fl
 }
 
 /* One token through a SparseFFN (sparseinfer/sparse/ffn.py, `SparseFFN._sparse_rows`, the
- * reference): candidate rows (given, predicted, or all), then either the fused kernel over
- * them or: first projection on the candidates (all: with up in one pass when gate and up are
+ * reference): candidate rows (given, predicted, or all), then the one pass over neuron records
+ * (`records`: first, activation, keep, second and down_t of the kept), or the fused kernel
+ * over them, or: first projection on the candidates (all: with up in one pass when gate and up are
  * one weight), activation, keep |a| > threshold, up on the kept rows (dense above
  * up_crossover), down_t over the kept rows (the stored down, dense, above crossover).
  * norm_w non-NULL: xo = x + ffn(rms_norm(x)); NULL: xo = ffn(x).  x and xo may alias. */
@@ -197,6 +198,12 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
     const qmat_t *second = s->second;
     if (rows && nc == 0) {
         memset(y, 0, (size_t)n * sizeof(float));
+    } else if (rows && s->records) {
+        /* one pass over whole neuron records: up and down on the kept rows, never dense */
+        const int64_t nk = si_sparse_records(s->act, s->relu_up, s->first, s->first_bias, second, s->second_bias,
+                                             s->down_t, xn, rows, nc, s->threshold, y);
+        cnt[2] += nc, cnt[8] += nk, cnt[7] += nk;
+        if (second) cnt[5] += nk;
     } else if (rows && s->fused) {
         si_sparse_ffn(s->act, second ? s->first : NULL, second ? second : s->first, s->down_t, xn, rows, nc, y);
         cnt[1] += nc;

@@ -98,7 +98,7 @@ AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uin
     for (int r = 0; r < R; r++) {
         pf[r] = w->qs + rn[r] * w->row_bytes;
         if (w->d) {
-            const char *d = (const char *)(w->d + rn[r] * w->nb), *m = w->m ? (const char *)(w->m + rn[r] * w->nb) : NULL;
+            const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
             for (int64_t o = 0; o < w->nb * 2 + 63; o += 64) {
                 _mm_prefetch(d + o, _MM_HINT_T1);
                 if (m) _mm_prefetch(m + o, _MM_HINT_T1);
@@ -115,8 +115,8 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
     float tail[4][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * nb;
-        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        dp[r] = w->d + rr[r] * w->ds;
+        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
         for (int t = 0; t < T; t++) {
             acc[r][t] = _mm256_setzero_ps();
             tail[r][t] = 0.0f;
@@ -176,8 +176,8 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
     float tail[4][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * nb;
-        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        dp[r] = w->d + rr[r] * w->ds;
+        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
         for (int t = 0; t < T; t++) {
             acc[r][t] = _mm256_setzero_ps();
             tail[r][t] = 0.0f;
@@ -384,7 +384,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
                 const int64_t ra = rows[j + PF_ROWS], rb = rows[j + 1 + PF_ROWS];
                 pa = (const char *)(wt->qs + ra * wt->row_bytes) + (s0 & ~(int64_t)63);
                 pb = (const char *)(wt->qs + rb * wt->row_bytes) + (s0 & ~(int64_t)63);
-                const char *da = (const char *)(wt->d + ra * wt->nb), *db = (const char *)(wt->d + rb * wt->nb);
+                const char *da = (const char *)(wt->d + ra * wt->ds), *db = (const char *)(wt->d + rb * wt->ds);
                 for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
                     _mm_prefetch(da + o, _MM_HINT_T1);
                     _mm_prefetch(db + o, _MM_HINT_T1);
@@ -392,7 +392,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             }
             const int8_t *w0 = (const int8_t *)(wt->qs + rows[j] * wt->row_bytes) + 32 * b0;
             const int8_t *w1 = (const int8_t *)(wt->qs + rows[j + 1] * wt->row_bytes) + 32 * b0;
-            const uint16_t *d0 = wt->d + rows[j] * wt->nb + b0, *d1 = wt->d + rows[j + 1] * wt->nb + b0;
+            const uint16_t *d0 = wt->d + rows[j] * wt->ds + b0, *d1 = wt->d + rows[j + 1] * wt->ds + b0;
             const float h0 = h[j], h1 = h[j + 1];
             for (int64_t b = 0; b < nbc; b++) {
                 const __m256 sa = _mm256_set1_ps(h0 * _cvtsh_ss(d0[b])), sb = _mm256_set1_ps(h1 * _cvtsh_ss(d1[b]));
@@ -420,7 +420,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             const int64_t rp = rows[j + PF_ROWS];
             pf = (const char *)(wt->qs + rp * wt->row_bytes) + (s0 & ~(int64_t)63);
             if (wt->d) {
-                const char *d = (const char *)(wt->d + rp * wt->nb), *m = wt->m ? (const char *)(wt->m + rp * wt->nb) : NULL;
+                const char *d = (const char *)(wt->d + rp * wt->ds), *m = wt->m ? (const char *)(wt->m + rp * wt->ds) : NULL;
                 for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
                     _mm_prefetch(d + o, _MM_HINT_T1);
                     if (m) _mm_prefetch(m + o, _MM_HINT_T1);
@@ -440,7 +440,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             for (; c < c1; c++) y[c] = fmaf(hj, fmt == FMT_F32 ? loadw1(FMT_F32, wp, c) : fmt == FMT_F16 ? loadw1(FMT_F16, wp, c) : loadw1(FMT_BF16, wp, c), y[c]);
             continue;
         }
-        const uint16_t *dp = wt->d + row * wt->nb + b0, *mp = wt->m ? wt->m + row * wt->nb + b0 : NULL;
+        const uint16_t *dp = wt->d + row * wt->ds + b0, *mp = wt->m ? wt->m + row * wt->ds + b0 : NULL;
         for (int64_t b = 0; b < nbc; b++) {
             const int64_t c = (b0 + b) * 32;
             const __m256 s = _mm256_set1_ps(hj * _cvtsh_ss(dp[b]));

@@ -91,7 +91,7 @@ AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uin
     for (int r = 0; r < R; r++) {
         pf[r] = w->qs + rn[r] * w->row_bytes;
         if (w->d) {
-            const char *d = (const char *)(w->d + rn[r] * w->nb), *m = w->m ? (const char *)(w->m + rn[r] * w->nb) : NULL;
+            const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
             for (int64_t o = 0; o < w->nb * 2 + 63; o += 64) {
                 _mm_prefetch(d + o, _MM_HINT_T1);
                 if (m) _mm_prefetch(m + o, _MM_HINT_T1);
@@ -107,8 +107,8 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
     __m512 acc[4][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * nb;
-        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        dp[r] = w->d + rr[r] * w->ds;
+        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     }
     const uint8_t *pf[4];
@@ -160,8 +160,8 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
     __m512 acc[4][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * nb;
-        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        dp[r] = w->d + rr[r] * w->ds;
+        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     }
     const uint8_t *pf[4];
@@ -222,8 +222,8 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
     __m512 acc[4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * nb;
-        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        dp[r] = w->d + rr[r] * w->ds;
+        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
         acc[r] = _mm512_setzero_ps();
     }
     const uint8_t *pf[4];
@@ -275,8 +275,8 @@ AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
     __m512 acc[4][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * nb;
-        mp[r] = w->m ? w->m + rr[r] * nb : NULL;
+        dp[r] = w->d + rr[r] * w->ds;
+        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
         acc[r][0] = _mm512_setzero_ps();
     }
     const uint8_t *pf[4];
@@ -505,10 +505,10 @@ AI void axpy_prefetch(const qmat_t *wt, const int32_t *rows, int64_t j, int64_t 
         const char *p = (const char *)(wt->qs + row * wt->row_bytes);
         for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
         if (wt->d) {
-            const char *d = (const char *)(wt->d + row * wt->nb);
+            const char *d = (const char *)(wt->d + row * wt->ds);
             for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(d + o, _MM_HINT_T1);
             if (wt->m) {
-                const char *m = (const char *)(wt->m + row * wt->nb);
+                const char *m = (const char *)(wt->m + row * wt->ds);
                 for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(m + o, _MM_HINT_T1);
             }
         }
@@ -552,13 +552,13 @@ AI void axpy_q_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64
     for (int r = 0; r < R; r++) {
         int64_t row = rows[j + r];
         qp[r] = wt->qs + row * wt->row_bytes;
-        const uint16_t *dp = wt->d + row * wt->nb + b0;
+        const uint16_t *dp = wt->d + row * wt->ds + b0;
         __m512 hv = _mm512_set1_ps(h[j + r]);
         for (int64_t k = 0; k < nbc; k += 16) {
             __mmask16 mk = lanes(nbc - k);
             _mm512_storeu_ps(sc[r] + k, _mm512_mul_ps(hv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, dp + k))));
             if (wt->m) {
-                const uint16_t *mp = wt->m + row * wt->nb + b0;
+                const uint16_t *mp = wt->m + row * wt->ds + b0;
                 __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mp + k));
                 _mm512_mask_storeu_ps(ym + k, mk, _mm512_fmadd_ps(hv, mv, _mm512_maskz_loadu_ps(mk, ym + k)));
             }
@@ -609,10 +609,10 @@ AI void axpy_pf_rows(const qmat_t *wt, const int32_t *rows, int64_t j, int64_t n
         pf[r] = wt->qs + (int64_t)rows[k] * wt->row_bytes;
         if (wt->d && j + AXPY_PF + r < n) {
             const int64_t b0 = c0 / 32, b1 = (c1 + 31) / 32;
-            const char *d = (const char *)(wt->d + (int64_t)rows[k] * wt->nb);
+            const char *d = (const char *)(wt->d + (int64_t)rows[k] * wt->ds);
             for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(d + o, _MM_HINT_T0);
             if (wt->m) {
-                const char *m = (const char *)(wt->m + (int64_t)rows[k] * wt->nb);
+                const char *m = (const char *)(wt->m + (int64_t)rows[k] * wt->ds);
                 for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(m + o, _MM_HINT_T0);
             }
         }

@@ -62,7 +62,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
     for (int64_t i = i0; i < i1; i++) {
         int64_t r = si_row(rows, i);
         const uint8_t *row = w->qs + r * w->row_bytes;
-        const uint16_t *dw = w->d + r * nb, *mw = w->m ? w->m + r * nb : NULL;
+        const uint16_t *dw = w->d + r * w->ds, *mw = w->m ? w->m + r * w->ds : NULL;
         float yv = 0.0f;
         for (int64_t t = 0; t < T; t++) {
             const int8_t *q = xq->q + t * xq->q_stride;
@@ -113,7 +113,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             for (int64_t c = c0; c < c1; c++) y[c] += hj * wf_at(wt, row, c);
             continue;
         }
-        const uint16_t *dw = wt->d + r * wt->nb, *mw = wt->m ? wt->m + r * wt->nb : NULL;
+        const uint16_t *dw = wt->d + r * wt->ds, *mw = wt->m ? wt->m + r * wt->ds : NULL;
         for (int64_t c = c0; c < c1; c++) {
             int64_t b = c / 32;
             float v = si_h2f(dw[b]) * (float)wq_at(wt, row, b, (int)(c & 31));

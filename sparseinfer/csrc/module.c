@@ -36,21 +36,23 @@ static int nargs_ok(Py_ssize_t n, Py_ssize_t want, const char *fn) {
     return 1;
 }
 
-/* args[0..5] -> qmat; accepts fmt == -1 as "no weight" when allow_none */
+/* args[0..7] = (fmt, rows, cols, qs, d, m, qs_stride, d_stride, qs row stride in bytes, d/m row stride in
+ * elements; strides 0 = natural) -> qmat; accepts fmt == -1 as "no weight" when allow_none */
 static int get_qmat(PyObject *const *a, qmat_t *w, int allow_none, int *is_none) {
-    int64_t fmt, rows, cols;
+    int64_t fmt, rows, cols, qst, dst;
     void *qs, *d, *m;
     if (get_i64(a[0], &fmt) || get_i64(a[1], &rows) || get_i64(a[2], &cols) || get_ptr(a[3], &qs) ||
-        get_ptr(a[4], &d) || get_ptr(a[5], &m))
+        get_ptr(a[4], &d) || get_ptr(a[5], &m) || get_i64(a[6], &qst) || get_i64(a[7], &dst))
         return -1;
     if (is_none) *is_none = 0;
     if (allow_none && fmt == -1) {
         *is_none = 1;
         return 0;
     }
-    if (si_qmat_init(w, (int)fmt, rows, cols, qs, d, m) != 0) {
-        PyErr_Format(PyExc_ValueError, "invalid weight descriptor (fmt=%lld rows=%lld cols=%lld, missing scales?)",
-                     (long long)fmt, (long long)rows, (long long)cols);
+    if (si_qmat_init(w, (int)fmt, rows, cols, qs, d, m, qst, dst) != 0) {
+        PyErr_Format(PyExc_ValueError, "invalid weight descriptor (fmt=%lld rows=%lld cols=%lld strides %lld/%lld, "
+                     "missing scales or strides below the row width?)", (long long)fmt, (long long)rows,
+                     (long long)cols, (long long)qst, (long long)dst);
         return -1;
     }
     return 0;
@@ -66,11 +68,11 @@ static int check_rows(const int32_t *rows, int64_t n, int64_t limit) {
     return 0;
 }
 
-/* gemv(fmt, rows, cols, qs, d, m, x, y) */
+/* gemv(w[8], x, y); w[8] = the weight descriptor of get_qmat */
 static PyObject *py_gemv(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     qmat_t w;
     void *x, *y;
-    if (!nargs_ok(n, 8, "gemv") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &x) || get_ptr(a[7], &y)) return NULL;
+    if (!nargs_ok(n, 10, "gemv") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &x) || get_ptr(a[9], &y)) return NULL;
     if (w.rows == 0) Py_RETURN_NONE;
     if (!x || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
     Py_BEGIN_ALLOW_THREADS
@@ -79,13 +81,13 @@ static PyObject *py_gemv(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
-/* matmul(fmt, rows, cols, qs, d, m, X, M, Y) */
+/* matmul(w[8], X, M, Y) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     qmat_t w;
     void *x, *y;
     int64_t M;
-    if (!nargs_ok(n, 9, "matmul") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &x) || get_i64(a[7], &M) ||
-        get_ptr(a[8], &y))
+    if (!nargs_ok(n, 11, "matmul") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &x) || get_i64(a[9], &M) ||
+        get_ptr(a[10], &y))
         return NULL;
     if (M < 0) return PyErr_Format(PyExc_ValueError, "M must be >= 0");
     if (M == 0 || w.rows == 0) Py_RETURN_NONE;
@@ -97,13 +99,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
-/* gemv_rows(fmt, rows, cols, qs, d, m, x, idx, n, y) */
+/* gemv_rows(w[8], x, idx, n, y) */
 static PyObject *py_gemv_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t w;
     void *x, *idx, *y;
     int64_t n;
-    if (!nargs_ok(na, 10, "gemv_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &x) || get_ptr(a[7], &idx) ||
-        get_i64(a[8], &n) || get_ptr(a[9], &y))
+    if (!nargs_ok(na, 12, "gemv_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &x) || get_ptr(a[9], &idx) ||
+        get_i64(a[10], &n) || get_ptr(a[11], &y))
         return NULL;
     if (n <= 0) Py_RETURN_NONE;
     if (!x || !idx || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
@@ -114,13 +116,13 @@ static PyObject *py_gemv_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
-/* axpy_rows(fmt, rows, cols, qs, d, m, h, idx, n, y) */
+/* axpy_rows(w[8], h, idx, n, y) */
 static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t w;
     void *h, *idx, *y;
     int64_t n;
-    if (!nargs_ok(na, 10, "axpy_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[6], &h) || get_ptr(a[7], &idx) ||
-        get_i64(a[8], &n) || get_ptr(a[9], &y))
+    if (!nargs_ok(na, 12, "axpy_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &h) || get_ptr(a[9], &idx) ||
+        get_i64(a[10], &n) || get_ptr(a[11], &y))
         return NULL;
     if (!y) return PyErr_Format(PyExc_ValueError, "null data pointer");
     if (n > 0 && (!h || !idx)) return PyErr_Format(PyExc_ValueError, "null data pointer");
@@ -131,15 +133,15 @@ static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
-/* sparse_ffn(act, gate[6] (fmt -1 = none), up[6], down_t[6], x, idx, n, y) */
+/* sparse_ffn(act, gate[8] (fmt -1 = none), up[8], down_t[8], x, idx, n, y) */
 static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t g, u, dn;
     int64_t act, n;
     int gnone;
     void *x, *idx, *y;
-    if (!nargs_ok(na, 23, "sparse_ffn") || get_i64(a[0], &act) || get_qmat(a + 1, &g, 1, &gnone) ||
-        get_qmat(a + 7, &u, 0, NULL) || get_qmat(a + 13, &dn, 0, NULL) || get_ptr(a[19], &x) ||
-        get_ptr(a[20], &idx) || get_i64(a[21], &n) || get_ptr(a[22], &y))
+    if (!nargs_ok(na, 29, "sparse_ffn") || get_i64(a[0], &act) || get_qmat(a + 1, &g, 1, &gnone) ||
+        get_qmat(a + 9, &u, 0, NULL) || get_qmat(a + 17, &dn, 0, NULL) || get_ptr(a[25], &x) ||
+        get_ptr(a[26], &idx) || get_i64(a[27], &n) || get_ptr(a[28], &y))
         return NULL;
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     if (!gnone && (g.rows != u.rows || g.cols != u.cols))
@@ -273,13 +275,13 @@ static PyObject *py_advise_hugepages(PyObject *self, PyObject *const *a, Py_ssiz
     return PyLong_FromLong(0);
 }
 
-/* dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out): out = W[r0:r1] as float32 */
+/* dequantize_rows(w[8], r0, r1, out): out = W[r0:r1] as float32 */
 static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t w;
     int64_t r0, r1;
     void *out;
-    if (!nargs_ok(na, 9, "dequantize_rows") || get_qmat(a, &w, 0, NULL) || get_i64(a[6], &r0) ||
-        get_i64(a[7], &r1) || get_ptr(a[8], &out))
+    if (!nargs_ok(na, 11, "dequantize_rows") || get_qmat(a, &w, 0, NULL) || get_i64(a[8], &r0) ||
+        get_i64(a[9], &r1) || get_ptr(a[10], &out))
         return NULL;
     if (r0 < 0 || r1 > w.rows || r0 > r1)
         return PyErr_Format(PyExc_ValueError, "row range [%lld, %lld) is outside [0, %lld)", (long long)r0,
@@ -345,8 +347,8 @@ static int get_f32(PyObject *o, float *v) {
     return 0;
 }
 
-/* decode_attn(x, xo, n, norm_w, eps, q[6], k[6], v[6], bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc,
- *             kstride, vstride, pos, o[6], o_bias, scale): one token through a pre-norm
+/* decode_attn(x, xo, n, norm_w, eps, q[8], k[8], v[8], bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc,
+ *             kstride, vstride, pos, o[8], o_bias, scale): one token through a pre-norm
  * attention half-block, see decode.c.  k and v fmt -1: q is the fused q/k/v weight (bq its
  * bias); bias pointers may be 0; n_rot 0 = no rotary. */
 static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
@@ -355,13 +357,13 @@ static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t n
     void *x, *xo, *nw, *bq, *bk, *bv, *cs, *sn, *kc, *vc, *ob;
     int64_t n, H, Hk, D, nrot, ks, vs, pos;
     float eps, scale;
-    if (!nargs_ok(na, 45, "decode_attn") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
-        get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_qmat(a + 5, &q, 0, NULL) || get_qmat(a + 11, &k, 1, &knone) ||
-        get_qmat(a + 17, &v, 1, &vnone) || get_ptr(a[23], &bq) || get_ptr(a[24], &bk) || get_ptr(a[25], &bv) ||
-        get_i64(a[26], &H) || get_i64(a[27], &Hk) || get_i64(a[28], &D) || get_i64(a[29], &nrot) ||
-        get_ptr(a[30], &cs) || get_ptr(a[31], &sn) || get_ptr(a[32], &kc) || get_ptr(a[33], &vc) ||
-        get_i64(a[34], &ks) || get_i64(a[35], &vs) || get_i64(a[36], &pos) || get_qmat(a + 37, &o, 0, NULL) ||
-        get_ptr(a[43], &ob) || get_f32(a[44], &scale))
+    if (!nargs_ok(na, 53, "decode_attn") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
+        get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_qmat(a + 5, &q, 0, NULL) || get_qmat(a + 13, &k, 1, &knone) ||
+        get_qmat(a + 21, &v, 1, &vnone) || get_ptr(a[29], &bq) || get_ptr(a[30], &bk) || get_ptr(a[31], &bv) ||
+        get_i64(a[32], &H) || get_i64(a[33], &Hk) || get_i64(a[34], &D) || get_i64(a[35], &nrot) ||
+        get_ptr(a[36], &cs) || get_ptr(a[37], &sn) || get_ptr(a[38], &kc) || get_ptr(a[39], &vc) ||
+        get_i64(a[40], &ks) || get_i64(a[41], &vs) || get_i64(a[42], &pos) || get_qmat(a + 43, &o, 0, NULL) ||
+        get_ptr(a[51], &ob) || get_f32(a[52], &scale))
         return NULL;
     int bad = n < 1 || H < 1 || Hk < 1 || H % Hk || D < 1 || pos < 0 || nrot < 0 || nrot > D || nrot % 2 ||
               knone != vnone || q.cols != n || o.cols != H * D || o.rows != n ||
@@ -377,7 +379,7 @@ static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-/* decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate[6], up[6], F, down[6]): one token through
+/* decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate[8], up[8], F, down[8]): one token through
  * a pre-norm gated MLP half-block, see decode.c; up fmt -1: gate is the fused gate/up weight */
 static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t g, u, dn;
@@ -385,10 +387,10 @@ static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na
     void *x, *xo, *nw;
     int64_t n, act, relu_up, F;
     float eps;
-    if (!nargs_ok(na, 26, "decode_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
+    if (!nargs_ok(na, 32, "decode_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
         get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_i64(a[5], &act) || get_i64(a[6], &relu_up) ||
-        get_qmat(a + 7, &g, 0, NULL) || get_qmat(a + 13, &u, 1, &unone) || get_i64(a[19], &F) ||
-        get_qmat(a + 20, &dn, 0, NULL))
+        get_qmat(a + 7, &g, 0, NULL) || get_qmat(a + 15, &u, 1, &unone) || get_i64(a[23], &F) ||
+        get_qmat(a + 24, &dn, 0, NULL))
         return NULL;
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     int bad = n < 1 || F < 1 || g.cols != n || dn.cols != F || dn.rows != n;
@@ -401,13 +403,14 @@ static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first[6],
- *                   first_bias, second[6], second_bias, down_t[6], down[6], order, down_bias,
- *                   w1[6], b1, w2t[6], cut, topk, threshold, crossover, up_crossover, counters):
+/* decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first[8],
+ *                   first_bias, second[8], second_bias, down_t[8], down[8], order, down_bias,
+ *                   w1[8], b1, w2t[8], cut, topk, threshold, crossover, up_crossover, counters):
  * one token through an activation-sparse FFN, see decode.c.  norm_w 0: xo = ffn(x), else
  * xo = x + ffn(rms_norm(x)); rows 0 with n_rows -1: predicted (w1 given) or all rows;
  * second fmt -1: plain FFN; w1 fmt -1: no predictor; fused: 1 the one-pass kernel on
- * candidate rows, | 2 gate and up are one weight's adjacent rows (dense gate+up in one pass);
+ * candidate rows, | 2 gate and up are one weight's adjacent rows (dense gate+up in one pass),
+ * | 4 first/second/down_t are neuron records (one pass over whole records, see ops.c);
  * counters: int64[11], the last slot the predictor's seconds as a float64. */
 static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t first, second, down_t, down, w1, w2t;
@@ -415,14 +418,14 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
     void *x, *xo, *nw, *rows, *fb, *sb, *order, *db, *b1, *cut, *cnt, *ps;
     int64_t nrows, n, act, relu_up, fused, F, topk;
     float eps, thr, cross, upcross;
-    if (!nargs_ok(na, 58, "decode_sparse_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_ptr(a[2], &nw) ||
+    if (!nargs_ok(na, 70, "decode_sparse_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_ptr(a[2], &nw) ||
         get_f32(a[3], &eps) || get_ptr(a[4], &rows) || get_i64(a[5], &nrows) || get_i64(a[6], &n) ||
         get_i64(a[7], &act) || get_i64(a[8], &relu_up) || get_i64(a[9], &fused) || get_i64(a[10], &F) ||
-        get_qmat(a + 11, &first, 0, NULL) || get_ptr(a[17], &fb) || get_qmat(a + 18, &second, 1, &snone) ||
-        get_ptr(a[24], &sb) || get_qmat(a + 25, &down_t, 0, NULL) || get_qmat(a + 31, &down, 0, NULL) ||
-        get_ptr(a[37], &order) || get_ptr(a[38], &db) || get_qmat(a + 39, &w1, 1, &pnone) || get_ptr(a[45], &b1) ||
-        get_qmat(a + 46, &w2t, 1, &pnone2) || get_ptr(a[52], &cut) || get_i64(a[53], &topk) ||
-        get_f32(a[54], &thr) || get_f32(a[55], &cross) || get_f32(a[56], &upcross) || get_ptr(a[57], &cnt))
+        get_qmat(a + 11, &first, 0, NULL) || get_ptr(a[19], &fb) || get_qmat(a + 20, &second, 1, &snone) ||
+        get_ptr(a[28], &sb) || get_qmat(a + 29, &down_t, 0, NULL) || get_qmat(a + 37, &down, 0, NULL) ||
+        get_ptr(a[45], &order) || get_ptr(a[46], &db) || get_qmat(a + 47, &w1, 1, &pnone) || get_ptr(a[55], &b1) ||
+        get_qmat(a + 56, &w2t, 1, &pnone2) || get_ptr(a[64], &cut) || get_i64(a[65], &topk) ||
+        get_f32(a[66], &thr) || get_f32(a[67], &cross) || get_f32(a[68], &upcross) || get_ptr(a[69], &cnt))
         return NULL;
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     int bad = n < 1 || F < 1 || first.rows != F || first.cols != n || down_t.rows != F || down_t.cols != n ||
@@ -436,15 +439,20 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
      * fused gate+up), so the dense first projection covers both in one pass */
     qmat_t both;
     if (fused & 2) {
-        const int64_t nb = first.nb;
-        if (snone || second.fmt != first.fmt || second.qs != first.qs + F * first.row_bytes ||
-            (first.d && second.d != first.d + F * nb) || (first.m && second.m != first.m + F * nb) ||
+        const int64_t ds = first.ds;
+        if (snone || second.fmt != first.fmt || second.row_bytes != first.row_bytes || second.ds != ds ||
+            second.qs != first.qs + F * first.row_bytes ||
+            (first.d && second.d != first.d + F * ds) || (first.m && second.m != first.m + F * ds) ||
             (!first.d) != (!second.d) || (!first.m) != (!second.m) ||
-            si_qmat_init(&both, first.fmt, 2 * F, n, first.qs, first.d, first.m) != 0)
+            si_qmat_init(&both, first.fmt, 2 * F, n, first.qs, first.d, first.m, first.row_bytes, ds) != 0)
             return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: gate and up are not one fused weight");
     }
+    /* fused bit 2: first, second and down_t are row views into one record per neuron */
+    if ((fused & 4) && !si_record_base(&first, snone ? NULL : &second, &down_t))
+        return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: first, second and down_t are not neuron records "
+                            "(one common row stride holding all three rows and their scales)");
     ps = (double *)cnt + 10; /* counters: 10 int64, then the predictor's seconds as a float64 */
-    sparse_mlp_t s = {(int)act, relu_up != 0, (fused & 1) != 0, F, &first, snone ? NULL : &second,
+    sparse_mlp_t s = {(int)act, relu_up != 0, (fused & 1) != 0, (fused & 4) != 0, F, &first, snone ? NULL : &second,
                       (fused & 2) ? &both : NULL, fb, sb, &down_t, &down,
                       order, db, pnone ? NULL : &w1, pnone ? NULL : &w2t, b1, cut, topk, thr, cross, upcross, cnt, ps};
     Py_BEGIN_ALLOW_THREADS
@@ -456,22 +464,22 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
-    {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(fmt, rows, cols, qs, d, m, x, y)"},
-    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(fmt, rows, cols, qs, d, m, X, M, Y)"},
-    {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(fmt, rows, cols, qs, d, m, x, idx, n, y)"},
-    {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(fmt, rows, cols, qs, d, m, h, idx, n, y)"},
-    {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*6, up*6, down_t*6, x, idx, n, y)"},
+    {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(fmt, rows, cols, qs, d, m, qs_stride, d_stride, x, y)"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(fmt, rows, cols, qs, d, m, qs_stride, d_stride, X, M, Y)"},
+    {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, x, idx, n, y)"},
+    {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, h, idx, n, y)"},
+    {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*8, up*8, down_t*8, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
     {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
-    {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, r0, r1, out)"},
+    {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, r0, r1, out)"},
     {"act", (PyCFunction)(void (*)(void))py_act, METH_FASTCALL, "act(code, v, n): v = act(v) in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
-    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*6, k*6, v*6, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*6, o_bias, scale)"},
-    {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*6, up*6, F, down*6)"},
-    {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*6, first_bias, second*6, second_bias, down_t*6, down*6, order, down_bias, w1*6, b1, w2t*6, cut, topk, threshold, crossover, up_crossover, counters)"},
+    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*8, k*8, v*8, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*8, o_bias, scale)"},
+    {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*8, up*8, F, down*8)"},
+    {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*8, first_bias, second*8, second_bias, down_t*8, down*8, order, down_bias, w1*8, b1, w2t*8, cut, topk, threshold, crossover, up_crossover, counters)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

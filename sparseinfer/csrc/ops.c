@@ -73,7 +73,8 @@ int si_select(const char *name) {
     return 0;
 }
 
-int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m) {
+int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m,
+                 int64_t qs_stride, int64_t d_stride) {
     if (fmt < 0 || fmt >= FMT_COUNT || rows < 0 || cols <= 0 || (!qs && rows > 0)) return -1;
     w->fmt = fmt;
     w->rows = rows;
@@ -89,6 +90,16 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
     case FMT_Q8: w->row_bytes = w->kp; break;
     default: w->row_bytes = w->kp / 2; break;
     }
+    w->ds = w->nb;
+    /* strides: 0 = natural; never below the natural widths */
+    if (qs_stride) {
+        if (qs_stride < w->row_bytes) return -1;
+        w->row_bytes = qs_stride;
+    }
+    if (d_stride) {
+        if (d_stride < w->nb) return -1;
+        w->ds = d_stride;
+    }
     if (fmt >= FMT_Q8 && !d && rows > 0) return -1;
     if (fmt == FMT_Q4 && !m && rows > 0) return -1;
     if (fmt < FMT_Q8) w->d = w->m = NULL;
@@ -99,8 +110,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
 
 /* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
  * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
- * 4 = axpy partial sums, 5 = attention scores, 6 = fused decode steps (decode.c). */
-static _Thread_local struct { void *p; size_t n; } TLS[7];
+ * 4 = axpy partial sums, 5 = attention scores, 6 = fused decode steps (decode.c),
+ * 7 = a worker's temporaries in the neuron-record FFN pass. */
+static _Thread_local struct { void *p; size_t n; } TLS[8];
 
 void *si_scratch(int slot, size_t n) {
     if (TLS[slot].n < n) {
@@ -464,6 +476,11 @@ static void ffn_task(void *p, int64_t c) {
 
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t *down_t,
                    const float *x, const int32_t *rows, int64_t n, float *y) {
+    const qmat_t *first = gate ? gate : upm, *second = gate ? upm : NULL;
+    if (si_record_base(first, second, down_t)) { /* neuron records: their one pass, keeping every row */
+        si_sparse_records(act, 0, first, NULL, second, NULL, down_t, x, rows, n, -1.0f, y);
+        return;
+    }
     const kernels_t *k = kern();
     xq_t xu, xg;
     if (upm->fmt >= FMT_Q8) {
@@ -483,6 +500,158 @@ void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t 
     a.chunk = row_chunk(n, rb);
     run(ffn_task, &a, (n + a.chunk - 1) / a.chunk, n * rb);
     si_axpy_rows(down_t, a.h, rows, n, y);
+}
+
+/* ------------------------------------------------------- sparse FFN over neuron records */
+
+/* One pass over the candidate neurons when each neuron's first (gate) row, second (up) row and
+ * down_t row, scales included, lie in one contiguous record (the three weights are row views
+ * with one common stride; SparseFFN's `records`).  Random reads of ~1 KB pieces (a row, then
+ * its scales elsewhere) run at ~10 GB/s on 2 threads here, whole 3.5 KB records at ~19, so
+ * the pass prefetches whole records a block ahead and then computes, per block of neurons:
+ * first rows, activation, keep |a| > threshold, second rows of the kept, h, and their down_t
+ * rows into a partial sum.  The candidate list is cut into partitions as a function of n only
+ * (each summed in order by one thread, partials added in partition order), so results do not
+ * depend on the thread count. */
+#ifndef REC_BLOCK
+#define REC_BLOCK 8
+#endif
+#ifndef REC_AHEAD
+#define REC_AHEAD 1
+#endif
+#define REC_ROWS_PER_PART 64
+#define REC_MAX_PARTS 8
+
+typedef struct {
+    const kernels_t *k;
+    int act, relu_up;
+    const qmat_t *first, *second, *down_t;
+    const float *fb, *sb;
+    const xq_t *xf, *xs;
+    const float *x;
+    const int32_t *rows;
+    int64_t n, nparts;
+    float thr;
+    const uint8_t *rec;   /* record of neuron r at rec + r * rec_bytes */
+    int64_t rec_bytes;
+    float *part;          /* nparts x cols */
+    int64_t *kept;        /* per partition */
+} rec_ctx;
+
+static void rec_prefetch(const rec_ctx *a, const int32_t *rows, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        const char *p = (const char *)(a->rec + (int64_t)rows[j] * a->rec_bytes);
+        for (int64_t o = 0; o < a->rec_bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+    }
+}
+
+static void rec_task(void *p, int64_t c) {
+    const rec_ctx *a = p;
+    const int64_t j0 = part_start(a->n, a->nparts, c), j1 = part_start(a->n, a->nparts, c + 1);
+    const int64_t cols = a->down_t->cols;
+    float *yp = a->part + c * cols;
+    float *tmp = scratch(7, (size_t)(cols + 64) * sizeof(float));
+    if (!tmp) abort();
+    memset(yp, 0, (size_t)cols * sizeof(float));
+    float g[REC_BLOCK], u[REC_BLOCK], h[REC_BLOCK];
+    int32_t kr[REC_BLOCK];
+    int64_t kept = 0;
+    rec_prefetch(a, a->rows + j0, j1 - j0 < REC_AHEAD * REC_BLOCK ? j1 - j0 : REC_AHEAD * REC_BLOCK);
+    for (int64_t jb = j0; jb < j1; jb += REC_BLOCK) {
+        const int64_t nb = j1 - jb < REC_BLOCK ? j1 - jb : REC_BLOCK;
+        const int32_t *rows = a->rows + jb;
+        const int64_t pf = jb + REC_AHEAD * REC_BLOCK;
+        if (pf < j1) rec_prefetch(a, a->rows + pf, j1 - pf < REC_BLOCK ? j1 - pf : REC_BLOCK);
+        ffn_dot(a->k, a->first, a->xf, a->x, rows, 0, nb, g);
+        if (a->fb)
+            for (int64_t i = 0; i < nb; i++) g[i] += a->fb[rows[i]];
+        a->k->act(a->act, g, nb);
+        int64_t m = 0;
+        for (int64_t i = 0; i < nb; i++) {
+            kr[m] = rows[i];
+            h[m] = g[i];
+            m += fabsf(g[i]) > a->thr;
+        }
+        kept += m;
+        if (!m) continue;
+        if (a->second) {
+            ffn_dot(a->k, a->second, a->xs, a->x, kr, 0, m, u);
+            for (int64_t i = 0; i < m; i++) {
+                float v = a->sb ? u[i] + a->sb[kr[i]] : u[i];
+                if (a->relu_up && !(v > 0.0f)) v = 0.0f;
+                h[i] *= v;
+            }
+        }
+        int64_t q = 0; /* rows with h == 0 add nothing */
+        for (int64_t i = 0; i < m; i++) {
+            kr[q] = kr[i];
+            h[q] = h[i];
+            q += h[i] != 0.0f;
+        }
+        if (!q) continue;
+        for (int64_t c0 = 0; c0 < cols; c0 += AXPY_MAX_COLS) {
+            const int64_t c1 = c0 + AXPY_MAX_COLS < cols ? c0 + AXPY_MAX_COLS : cols;
+            a->k->axpy(a->down_t, h, kr, q, c0, c1, tmp);
+        }
+        for (int64_t i = 0; i < cols; i++) yp[i] += tmp[i];
+    }
+    a->kept[c] = kept;
+}
+
+/* The record layout of (first, second, down_t), or NULL: one row stride for all three, 2x the
+ * scales' (in bytes), and every row's pieces within one stride of the lowest pointer. */
+const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const qmat_t *down_t) {
+    const qmat_t *ws[3] = {first, second, down_t};
+    const uint8_t *lo = NULL, *hi = NULL;
+    const int64_t rb = first->row_bytes;
+    for (int i = 0; i < 3; i++) {
+        const qmat_t *w = ws[i];
+        if (!w) continue;
+        if (w->fmt < FMT_Q8 || w->row_bytes != rb || 2 * w->ds != rb) return NULL;
+        const uint8_t *ps[3] = {w->qs, (const uint8_t *)w->d, (const uint8_t *)w->m};
+        const int64_t len[3] = {w->fmt == FMT_Q4 ? w->kp / 2 : w->kp, 2 * w->nb, 2 * w->nb};
+        for (int t = 0; t < 3; t++) {
+            if (!ps[t]) continue;
+            if (!lo || ps[t] < lo) lo = ps[t];
+            if (!hi || ps[t] + len[t] > hi) hi = ps[t] + len[t];
+        }
+    }
+    return hi - lo <= rb ? lo : NULL;
+}
+
+int64_t si_sparse_records(int act, int relu_up, const qmat_t *first, const float *fb, const qmat_t *second,
+                          const float *sb, const qmat_t *down_t, const float *x, const int32_t *rows, int64_t n,
+                          float thr, float *y) {
+    const kernels_t *k = kern();
+    const int64_t cols = down_t->cols;
+    const uint8_t *rec = si_record_base(first, second, down_t);
+    if (!rec) return -1;
+    xq_t xf, xs;
+    if (xq_alloc(&xf, 0, layout_of(first->fmt), first->kp, 1) != 0) abort();
+    quant_tokens(k, x, first->cols, first->kp, 0, 1, &xf);
+    const xq_t *pxs = &xf;
+    if (second && layout_of(second->fmt) != layout_of(first->fmt)) {
+        if (xq_alloc(&xs, 1, layout_of(second->fmt), second->kp, 1) != 0) abort();
+        quant_tokens(k, x, second->cols, second->kp, 0, 1, &xs);
+        pxs = &xs;
+    }
+    int64_t nparts = n / REC_ROWS_PER_PART;
+    if (nparts < 1) nparts = 1;
+    if (nparts > REC_MAX_PARTS) nparts = REC_MAX_PARTS;
+    float *part = scratch(4, (size_t)(nparts * cols) * sizeof(float) + 64);
+    if (!part) abort();
+    int64_t kept[REC_MAX_PARTS];
+    rec_ctx a = {k, act, relu_up, first, second, down_t, fb, sb, &xf, pxs, x, rows, n, nparts, thr,
+                 rec, first->row_bytes, part, kept};
+    run(rec_task, &a, nparts, n * first->row_bytes);
+    memcpy(y, part, (size_t)cols * sizeof(float));
+    int64_t total = kept[0];
+    for (int64_t q = 1; q < nparts; q++) {
+        const float *src = part + q * cols;
+        for (int64_t i = 0; i < cols; i++) y[i] += src[i];
+        total += kept[q];
+    }
+    return total;
 }
 
 /* ------------------------------------------------------------------ helpers for tests */
@@ -682,7 +851,7 @@ static void deq_row(const qmat_t *w, int64_t r, float *o) {
             for (int64_t j = 0; j < cols; j++) o[j] = si_bf2f(h[j]);
         return;
     }
-    const uint16_t *dr = w->d + r * w->nb, *mr = w->m ? w->m + r * w->nb : NULL;
+    const uint16_t *dr = w->d + r * w->ds, *mr = w->m ? w->m + r * w->ds : NULL;
     float blk[32];
     for (int64_t b = 0; b < w->nb; b++) {
         const float d = si_h2f(dr[b]), m = mr ? si_h2f(mr[b]) : 0.0f;

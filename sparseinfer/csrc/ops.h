@@ -10,7 +10,8 @@ int si_select(const char *name);              /* 0 ok, -1 unknown name, -2 not s
 int si_level_supported(const char *name);     /* 1 / 0 */
 extern const char *const si_level_names[];    /* best first, NULL-terminated */
 
-int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m);
+int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m,
+                 int64_t qs_stride, int64_t d_stride);
 
 /* v[i] = act(v[i]) in place, the best kernel level's (ACT_* code) */
 void si_act(int act, float *v, int64_t n);
@@ -20,6 +21,13 @@ void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t 
 void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y);
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,
                    const float *x, const int32_t *rows, int64_t n, float *y);
+/* One pass over candidate neurons whose first/second/down_t rows lie in one record each (see
+ * ops.c); keeps |act(first)| > thr; returns the kept count, or -1 when the weights are not
+ * record views. */
+int64_t si_sparse_records(int act, int relu_up, const qmat_t *first, const float *fb, const qmat_t *second,
+                          const float *sb, const qmat_t *down_t, const float *x, const int32_t *rows, int64_t n,
+                          float thr, float *y);
+const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const qmat_t *down_t);
 void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, float *s);
 void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);
 void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
@@ -38,6 +46,7 @@ void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, fl
 /* one token through an activation-sparse FFN (decode.c; SparseFFN in sparseinfer/sparse/ffn.py) */
 typedef struct {
     int act, relu_up, fused;          /* fused: the one-pass kernel over the candidate rows */
+    int records;                      /* first/second/down_t are neuron records (si_sparse_records) */
     int64_t F;                        /* neurons, in hotness order */
     const qmat_t *first, *second;     /* gate and up, or (plain FFN) up and NULL */
     const qmat_t *first_up;           /* gate rows then up rows of one buffer (dense gate+up), or NULL */

@@ -73,9 +73,11 @@ def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float 
                          mode=mode, density=density, expected_density=float(layer.freq.float().mean()))
 
     replace_ffns(model, make)
-    if build_decode:  # the neuron-major copies, now rather than inside the first timed decode
+    if build_decode:  # the neuron-major copies and records, now rather than inside the first decode
         for ffn in sparse_ffns(model):
             ffn.down_t
+            if ffn._records is None and ffn._records_wanted:
+                ffn.make_records()
     return model
 
 

@@ -33,6 +33,7 @@ see `_forced_rows`).
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 
@@ -85,6 +86,10 @@ _ROW_BANK = 64  # random row sets per layer for forced density without a predict
 # up took what the dense gate gemv took (12.5 vs 12.6 ms over 28 layers: 1.4).
 AXPY_COST = 2.0
 GEMV_ROWS_COST = 1.4
+
+# Neuron records (`SparseFFN.records`) for layers whose expected (profiled or forced) active
+# fraction is at most this: their up and down then always run on the kept rows.
+RECORDS_MAX_DENSITY = 0.5
 
 
 class SparseFFN(nn.Module):
@@ -140,6 +145,11 @@ class SparseFFN(nn.Module):
         # up on the kept rows only; pays when up would run dense anyway (`up_crossover`), so
         # chosen from the layer's profiled density (the pack's frequencies)
         self.dense_gate_up = expected_density is not None and expected_density > self.up_crossover
+        self.expected_density = expected_density
+        # neuron records (first, up and down_t rows of a neuron in one contiguous block) for
+        # the C decode step: True / False, or None to decide from the expected density
+        self.records: bool | None = None
+        self._records: torch.Tensor | None = None  # their buffer, once built
 
     # ------------------------------------------------------------------ set-up
     def _permute_rows(self, w: QWeight) -> QWeight:
@@ -199,7 +209,9 @@ class SparseFFN(nn.Module):
         st.kept += fused + kept
         st.bytes += fused * rb[1] + first * rb[0] + down_rows * rb[2] + down_dense * self.down.weight.nbytes
         if self.gate is not None:
-            st.bytes += gate_up * self._gate_up.nbytes + up_dense * self.up.nbytes + up_rows * self.up.row_bytes()
+            st.bytes += up_dense * self.up.nbytes + up_rows * self.up.row_bytes()
+            if gate_up:
+                st.bytes += gate_up * self._gate_up.nbytes
 
     @property
     def down_t(self) -> QWeight:
@@ -394,7 +406,7 @@ class SparseFFN(nn.Module):
         forced = self.density is not None
         if self._fused is None:
             self._fused = self._fusable
-        if self._fused or (forced and self._fusable_forced):
+        if not self._records_intact and (self._fused or (forced and self._fusable_forced)):
             self._count(fused=rows.numel())
             return cpu.sparse_ffn(x, self.gate, self.up, self.down_t, rows, self.kernel_act)
         return self._staged(cpu, x, rows, -1.0 if forced else self.threshold)
@@ -406,8 +418,10 @@ class SparseFFN(nn.Module):
     def _staged(self, cpu, x: torch.Tensor, rows: torch.Tensor | None, cut: float) -> torch.Tensor:
         """First projection on the candidate rows (rows None: all, dense; with up in one pass
         when `_dense_gate_up`), threshold cut, then up on the kept rows (dense above
-        `up_crossover`) and down on them (dense above `crossover`)."""
+        `up_crossover`) and down on them (dense above `crossover`); with neuron records, up
+        and down on the kept rows always (the C step's one pass over the records)."""
         n = self.n_neurons
+        rec = rows is not None and self._records_intact
         u_all = None  # up of every neuron, once a dense pass has computed it
         if rows is None:
             if self._dense_gate_up:
@@ -430,7 +444,7 @@ class SparseFFN(nn.Module):
         nk = kept.numel()
         self._count(kept=nk)
         if self.gate is not None and nk:
-            if u_all is None and nk > self.up_crossover * n:
+            if u_all is None and not rec and nk > self.up_crossover * n:
                 u_all = cpu.gemv(self.up, x)
                 self._count(up_dense=1)
             if u_all is not None:
@@ -443,7 +457,7 @@ class SparseFFN(nn.Module):
             if self.act_name == "drelu":
                 u = F.relu(u)
             h = h * u
-        if nk > self.crossover * n:  # down dense, in its stored column order
+        if not rec and nk > self.crossover * n:  # down dense, in its stored column order
             self._count(down_dense=1)
             full = torch.zeros(n).index_copy_(0, self.order[kept.long()], h)
             return cpu.gemv(self.down.weight, full)
@@ -451,6 +465,37 @@ class SparseFFN(nn.Module):
             return torch.zeros(self.d_model)
         self._count(down_rows=nk)
         return cpu.axpy_rows(self.down_t, h.contiguous(), kept)
+
+    # ------------------------------------------------------------------ neuron records
+    @property
+    def _records_wanted(self) -> bool:
+        """Records pay where the decode step reads rows (a predictor or a forced density), the
+        weights are integer formats on the CPU, and few neurons are expected active."""
+        if self.records is not None:
+            want = self.records
+        else:
+            dens = self.density if self.density is not None else self.expected_density
+            want = dens is not None and dens <= RECORDS_MAX_DENSITY and not self.dense_gate_up
+        ws = [self.first, self.down_t] + ([self.up] if self.gate is not None else [])
+        return (want and (self.predictor is not None or self.density is not None)
+                and all(w.fmt in ("q4", "q8") and w.qs.is_cpu for w in ws))
+
+    @property
+    def _records_intact(self) -> bool:
+        """The weights still are the views into the records (not moved or replaced)."""
+        return self._records is not None and all(map(operator.is_, self._rec_parts, (self.gate, self.up, self._down_t)))
+
+    def make_records(self) -> None:
+        """Move first (gate), up and down_t into neuron records (`neuron_records`); gate and up
+        stop being views of the fused gate+up weight, whose memory is released."""
+        ws = [self.first, self.up, self.down_t] if self.gate is not None else [self.up, self.down_t]
+        self._records, views = _kernels().neuron_records(ws)
+        if self.gate is not None:
+            self.gate, self.up, self._down_t = views
+        else:
+            self.up, self._down_t = views
+        self._gate_up, self._parts = None, (self.gate, self.up)
+        self._rec_parts = (self.gate, self.up, self._down_t)
 
     # ------------------------------------------------------------------ C decode step
     def decode_args(self, norm: nn.Module | None) -> tuple | None:
@@ -489,7 +534,9 @@ class SparseFFN(nn.Module):
         topk = self._k() if forced and p is not None else 0
         pred = (*cpu._desc(p.w1), ptr(p.b1), *cpu._desc(p.w2t), ptr(p.cut)) if p is not None \
             else (*cpu._NO_GATE, 0, *cpu._NO_GATE, 0)
-        flags = int(fused) | (2 if self._dense_gate_up else 0)
+        if self._records is None and self._records_wanted:
+            self.make_records()
+        flags = int(fused) | (2 if self._dense_gate_up else 0) | (4 if self._records_intact else 0)
         static = (self.d_model, code, int(self.act_name == "drelu"), flags, self.n_neurons,
                   *cpu._desc(self.first), ptr(self.first_bias),
                   *(cpu._desc(self.up) if gated else cpu._NO_GATE), ptr(self.up_bias if gated else None),
