@@ -519,6 +519,9 @@ void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t 
 #ifndef REC_AHEAD
 #define REC_AHEAD 1
 #endif
+#ifndef REC_FLUSH
+#define REC_FLUSH 64
+#endif
 #define REC_ROWS_PER_PART 64
 #define REC_MAX_PARTS 8
 
@@ -545,6 +548,16 @@ static void rec_prefetch(const rec_ctx *a, const int32_t *rows, int64_t n) {
     }
 }
 
+/* y part += sum of h_i * down_t[kr_i] over the collected rows */
+static void rec_flush(const rec_ctx *a, const float *h, const int32_t *kr, int64_t q, float *tmp, float *yp) {
+    const int64_t cols = a->down_t->cols;
+    for (int64_t c0 = 0; c0 < cols; c0 += AXPY_MAX_COLS) {
+        const int64_t c1 = c0 + AXPY_MAX_COLS < cols ? c0 + AXPY_MAX_COLS : cols;
+        a->k->axpy(a->down_t, h, kr, q, c0, c1, tmp);
+    }
+    for (int64_t i = 0; i < cols; i++) yp[i] += tmp[i];
+}
+
 static void rec_task(void *p, int64_t c) {
     const rec_ctx *a = p;
     const int64_t j0 = part_start(a->n, a->nparts, c), j1 = part_start(a->n, a->nparts, c + 1);
@@ -553,9 +566,11 @@ static void rec_task(void *p, int64_t c) {
     float *tmp = scratch(7, (size_t)(cols + 64) * sizeof(float));
     if (!tmp) abort();
     memset(yp, 0, (size_t)cols * sizeof(float));
-    float g[REC_BLOCK], u[REC_BLOCK], h[REC_BLOCK];
-    int32_t kr[REC_BLOCK];
-    int64_t kept = 0;
+    /* the kept rows' h and ids since the last flush: their down_t rows are summed REC_FLUSH
+     * at a time (still in cache from the record prefetch; one partial-sum pass per flush) */
+    float g[REC_BLOCK], u[REC_BLOCK], h[REC_FLUSH];
+    int32_t kr[REC_FLUSH];
+    int64_t kept = 0, q = 0;
     rec_prefetch(a, a->rows + j0, j1 - j0 < REC_AHEAD * REC_BLOCK ? j1 - j0 : REC_AHEAD * REC_BLOCK);
     for (int64_t jb = j0; jb < j1; jb += REC_BLOCK) {
         const int64_t nb = j1 - jb < REC_BLOCK ? j1 - jb : REC_BLOCK;
@@ -566,35 +581,34 @@ static void rec_task(void *p, int64_t c) {
         if (a->fb)
             for (int64_t i = 0; i < nb; i++) g[i] += a->fb[rows[i]];
         a->k->act(a->act, g, nb);
+        float *hb = h + q;
+        int32_t *kb = kr + q;
         int64_t m = 0;
         for (int64_t i = 0; i < nb; i++) {
-            kr[m] = rows[i];
-            h[m] = g[i];
+            kb[m] = rows[i];
+            hb[m] = g[i];
             m += fabsf(g[i]) > a->thr;
         }
         kept += m;
-        if (!m) continue;
-        if (a->second) {
-            ffn_dot(a->k, a->second, a->xs, a->x, kr, 0, m, u);
+        if (a->second && m) {
+            ffn_dot(a->k, a->second, a->xs, a->x, kb, 0, m, u);
             for (int64_t i = 0; i < m; i++) {
-                float v = a->sb ? u[i] + a->sb[kr[i]] : u[i];
+                float v = a->sb ? u[i] + a->sb[kb[i]] : u[i];
                 if (a->relu_up && !(v > 0.0f)) v = 0.0f;
-                h[i] *= v;
+                hb[i] *= v;
             }
         }
-        int64_t q = 0; /* rows with h == 0 add nothing */
-        for (int64_t i = 0; i < m; i++) {
-            kr[q] = kr[i];
-            h[q] = h[i];
-            q += h[i] != 0.0f;
+        for (int64_t i = 0; i < m; i++) { /* rows with h == 0 add nothing */
+            kr[q] = kb[i];
+            h[q] = hb[i];
+            q += hb[i] != 0.0f;
         }
-        if (!q) continue;
-        for (int64_t c0 = 0; c0 < cols; c0 += AXPY_MAX_COLS) {
-            const int64_t c1 = c0 + AXPY_MAX_COLS < cols ? c0 + AXPY_MAX_COLS : cols;
-            a->k->axpy(a->down_t, h, kr, q, c0, c1, tmp);
+        if (q > REC_FLUSH - REC_BLOCK) {
+            rec_flush(a, h, kr, q, tmp, yp);
+            q = 0;
         }
-        for (int64_t i = 0; i < cols; i++) yp[i] += tmp[i];
     }
+    if (q) rec_flush(a, h, kr, q, tmp, yp);
     a->kept[c] = kept;
 }
 
