@@ -522,7 +522,9 @@ void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t 
 #ifndef REC_FLUSH
 #define REC_FLUSH 64
 #endif
+#ifndef REC_ROWS_PER_PART
 #define REC_ROWS_PER_PART 64
+#endif
 #define REC_MAX_PARTS 8
 
 typedef struct {
