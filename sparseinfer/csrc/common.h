@@ -107,6 +107,13 @@ void si_fill_de(int layout, int64_t nb, const float *d, float *de);
 void si_act_avx2(int act, float *v, int64_t n); /* also the AVX-512 levels' */
 void si_attend_heads_avx2(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
                           int64_t L, float scale);
+void si_softmax_rows_avx2(float *sc, int n, int64_t L);
+/* the same with 16-float vectors (kern_avx512.c); D a multiple of 16 */
+void si_attend_heads_avx512(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
+                            int64_t L, float scale);
+#endif
+#ifndef ATT_LB
+#define ATT_LB 64 /* positions per block of the P V product (their V rows stay in L1/L2) */
 #endif
 
 extern const kernels_t si_kernels_scalar;

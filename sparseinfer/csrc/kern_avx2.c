@@ -529,6 +529,26 @@ AI __m256 exp_neg(__m256 x) {
  * positions per step (each q load serves both, twice the independent FMA chains) where the
  * registers allow; V is read in strips of 16 columns (one broadcast of a score serves both
  * halves).  Summation order depends on N, D and L only. */
+/* Rows j < n of sc (n x L) to their softmax, in place. */
+void si_softmax_rows_avx2(float *sc, int n, int64_t L) {
+    for (int j = 0; j < n; j++) {
+        float *s = sc + j * L, mx = -INFINITY;
+        for (int64_t t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8) {
+            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+            _mm256_storeu_ps(s + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum8(vsum);
+        for (; t < L; t++) sum += (s[t] = expf(s[t] - mx));
+        const float inv = 1.0f / sum;
+        for (t = 0; t < L; t++) s[t] *= inv;
+    }
+}
+
 AI void attend_n(const float *q, const float *K, const float *V, float *sc, float *o, const int N, int64_t D,
                  int64_t L, float scale) {
     int64_t l = 0;
@@ -560,49 +580,42 @@ AI void attend_n(const float *q, const float *K, const float *V, float *sc, floa
         }
         for (int j = 0; j < N; j++) sc[j * L + l] = hsum8(acc[j]) * scale;
     }
-    for (int j = 0; j < N; j++) {
-        float *s = sc + j * L, mx = -INFINITY;
-        for (int64_t t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= L; t += 8) {
-            __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
-            _mm256_storeu_ps(s + t, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum8(vsum);
-        for (; t < L; t++) sum += (s[t] = expf(s[t] - mx));
-        const float inv = 1.0f / sum;
-        for (t = 0; t < L; t++) s[t] *= inv;
-    }
-    int64_t i = 0;
-    if (N <= 6) {
-        for (; i + 16 <= D; i += 16) {
-            __m256 a0[SI_ATT_MAXG], a1[SI_ATT_MAXG];
-            for (int j = 0; j < N; j++) a0[j] = a1[j] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < L; t++) {
-                const __m256 v0 = _mm256_loadu_ps(V + t * D + i), v1 = _mm256_loadu_ps(V + t * D + i + 8);
+    si_softmax_rows_avx2(sc, N, L);
+    /* o = P V, over blocks of ATT_LB positions (their V rows stay in L1/L2 while the column
+     * strips pass over them; the strips' partial sums go through o between blocks) */
+    for (int64_t lb = 0; lb < L; lb += ATT_LB) {
+        const int64_t le = lb + ATT_LB < L ? lb + ATT_LB : L;
+        int64_t i = 0;
+        if (N <= 6) {
+            for (; i + 16 <= D; i += 16) {
+                __m256 a0[SI_ATT_MAXG], a1[SI_ATT_MAXG];
                 for (int j = 0; j < N; j++) {
-                    const __m256 p = _mm256_broadcast_ss(sc + j * L + t);
-                    a0[j] = _mm256_fmadd_ps(p, v0, a0[j]);
-                    a1[j] = _mm256_fmadd_ps(p, v1, a1[j]);
+                    a0[j] = lb ? _mm256_loadu_ps(o + j * D + i) : _mm256_setzero_ps();
+                    a1[j] = lb ? _mm256_loadu_ps(o + j * D + i + 8) : _mm256_setzero_ps();
+                }
+                for (int64_t t = lb; t < le; t++) {
+                    const __m256 v0 = _mm256_loadu_ps(V + t * D + i), v1 = _mm256_loadu_ps(V + t * D + i + 8);
+                    for (int j = 0; j < N; j++) {
+                        const __m256 p = _mm256_broadcast_ss(sc + j * L + t);
+                        a0[j] = _mm256_fmadd_ps(p, v0, a0[j]);
+                        a1[j] = _mm256_fmadd_ps(p, v1, a1[j]);
+                    }
+                }
+                for (int j = 0; j < N; j++) {
+                    _mm256_storeu_ps(o + j * D + i, a0[j]);
+                    _mm256_storeu_ps(o + j * D + i + 8, a1[j]);
                 }
             }
-            for (int j = 0; j < N; j++) {
-                _mm256_storeu_ps(o + j * D + i, a0[j]);
-                _mm256_storeu_ps(o + j * D + i + 8, a1[j]);
+        }
+        for (; i < D; i += 8) {
+            __m256 acc[SI_ATT_MAXG];
+            for (int j = 0; j < N; j++) acc[j] = lb ? _mm256_loadu_ps(o + j * D + i) : _mm256_setzero_ps();
+            for (int64_t t = lb; t < le; t++) {
+                const __m256 vv = _mm256_loadu_ps(V + t * D + i);
+                for (int j = 0; j < N; j++) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + j * L + t), vv, acc[j]);
             }
+            for (int j = 0; j < N; j++) _mm256_storeu_ps(o + j * D + i, acc[j]);
         }
-    }
-    for (; i < D; i += 8) {
-        __m256 acc[SI_ATT_MAXG];
-        for (int j = 0; j < N; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < L; t++) {
-            const __m256 vv = _mm256_loadu_ps(V + t * D + i);
-            for (int j = 0; j < N; j++) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + j * L + t), vv, acc[j]);
-        }
-        for (int j = 0; j < N; j++) _mm256_storeu_ps(o + j * D + i, acc[j]);
     }
 }
 

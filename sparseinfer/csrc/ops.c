@@ -790,7 +790,7 @@ typedef struct {
     float *o, *sc;
     int64_t H, Hk, D, L, kstride, vstride, per, ntask_kv;
     float scale;
-    int simd;
+    int simd; /* 0 portable, 1 AVX2, 2 AVX-512 */
 } att_ctx;
 
 /* The portable version of si_attend_heads_avx2 (same arguments, see common.h). */
@@ -821,7 +821,7 @@ static void att_task(void *p, int64_t t) {
     if (h1 <= h0) return;
     void (*fn)(const float *, const float *, const float *, float *, float *, int, int64_t, int64_t, float) = attend_heads;
 #if SI_X86
-    if (a->simd) fn = si_attend_heads_avx2;
+    if (a->simd) fn = a->simd == 2 ? si_attend_heads_avx512 : si_attend_heads_avx2;
 #endif
     fn(a->q + h0 * a->D, K, V, a->sc + h0 * a->L, a->o + h0 * a->D, (int)(h1 - h0), a->D, a->L, a->scale);
 }
@@ -837,6 +837,7 @@ void si_attend1(const float *q, const float *k, const float *v, float *o, int64_
     if (parts < want) parts = want < g ? want : g;
     att_ctx a = {q, k, v, o, sc, H, Hk, D, L, kstride, vstride, (g + parts - 1) / parts, parts, scale, 0};
     a.simd = SI_X86 && D % 8 == 0 && strcmp(si_level(), "scalar") != 0;
+    if (a.simd && D % 16 == 0 && strncmp(si_level(), "avx512", 6) == 0) a.simd = 2; /* 16-float vectors */
     run(att_task, &a, Hk * parts, H * L * D * 8);
 }
 
