@@ -18,7 +18,8 @@ def measure(llm, n_prompt: int = 512, n_gen: int = 128, seed: int = 0) -> dict:
     need = n_prompt + n_gen + 1
     cache = llm.model.new_cache(max(need, 16))
     with torch.inference_mode():
-        prefill(llm.model, ids[:8], llm.model.new_cache(16))  # warm-up (first-call costs)
+        warm = llm.model.new_cache(16)  # warm-up: first-call costs of prefill and of decode
+        decode(llm.model, int(prefill(llm.model, ids[:8], warm).argmax()), warm)
         t0 = time.perf_counter()
         logits = prefill(llm.model, ids, cache)
         t1 = time.perf_counter()
