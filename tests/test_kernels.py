@@ -620,3 +620,26 @@ def test_strided_views_are_checked():
     m2 = torch.zeros(8, 8, dtype=torch.float16)[:, :2]
     with pytest.raises(ValueError, match="same row stride"):
         cpu.gemv(QWeight("q8", 8, 64, v.qs, v.d, m2), rand(64))
+
+
+@pytest.mark.parametrize("act", ["silu", "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("gated,relu_up,permuted", [(True, False, True), (True, True, False), (False, False, True)])
+def test_hidden_rows_matches_torch(act, gated, relu_up, permuted):
+    """Prefill's one-pass hidden activations (act, threshold mask, gating, un-permutation)
+    against the torch composition, on strided rows (halves of one fused product)."""
+    g = torch.Generator().manual_seed(3)
+    M, n = 5, 301
+    gu = torch.randn(M, 2 * n, generator=g) * 2
+    gpre, u = gu[:, :n], gu[:, n:]
+    order = torch.randperm(n, generator=g) if permuted else None
+    f = {"silu": torch.nn.functional.silu, "relu": torch.relu, "gelu": torch.nn.functional.gelu,
+         "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
+    for thr in (0.0, 0.3):
+        a = f(gpre.double())
+        h = a * (torch.relu(u.double()) if relu_up else u.double()) if gated else a
+        h = h * (a.abs() > thr)
+        if permuted:
+            h = h.index_select(1, torch.argsort(order))
+        got = cpu.hidden_rows(gpre.clone(), u if gated else None, act, thr, order, relu_up=relu_up)
+        assert got.shape == (M, n)
+        torch.testing.assert_close(got.double(), h, rtol=1e-5, atol=1e-5)

@@ -268,6 +268,29 @@ def test_prefill_hidden_through_the_fused_gate_up(fmt, bias):
     torch.testing.assert_close(fused, apart, atol=1e-5, rtol=1e-5)
 
 
+@needs_c
+@pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "q4"), ("drelu", True, True, "f32"),
+                                                 ("relu", False, True, "f32"), ("gelu", False, True, "q8"),
+                                                 ("gelu_pytorch_tanh", True, False, "q8")])
+@pytest.mark.parametrize("threshold", [0.0, 0.1])
+def test_prefill_one_pass_hidden_equals_torch_composition(act, gated, bias, fmt, threshold, monkeypatch):
+    """SparseFFN's T > 1 path with the threshold mask computed by `cpu.hidden_rows` == the same
+    path through torch's element-wise operations (and == the slow reference)."""
+    mlp = _mlp(act, gated, bias, fmt=fmt)
+    n, d = mlp.n_neurons, mlp.down.out_features
+    ffn = SparseFFN(mlp, threshold, torch.randperm(n, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(7, d, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert ffn._one_pass_hidden(x, False)
+        fast = ffn(x[None])[0]
+        monkeypatch.setattr(SparseFFN, "_one_pass_hidden", lambda *a: False)
+        slow = ffn(x[None])[0]
+        ref = ffn.reference(x)
+    torch.testing.assert_close(fast, slow, atol=1e-4 * slow.abs().max().item(), rtol=1e-4)
+    tol = 1e-4 if fmt == "f32" else 0.05  # the reference: dequantized weights, unrounded x
+    torch.testing.assert_close(fast, ref, atol=tol * ref.abs().max().item(), rtol=0)
+
+
 def test_expected_density_picks_the_dense_gate_up_pass():
     mlp = _mlp("silu", True, False)
     assert SparseFFN(mlp, 0.1, expected_density=0.95).dense_gate_up

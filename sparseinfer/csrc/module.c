@@ -307,6 +307,28 @@ static PyObject *py_act(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     Py_RETURN_NONE;
 }
 
+static int get_f32(PyObject *o, float *v);
+
+/* hidden_rows(act, relu_up, g, g_stride, u, u_stride, M, n, thr, order, out): see ops.c
+ * (u 0: plain FFN; order 0: no permutation); g is overwritten */
+static PyObject *py_hidden_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *g, *u, *order, *out;
+    int64_t act, relu_up, gs, us, M, n;
+    float thr;
+    if (!nargs_ok(na, 11, "hidden_rows") || get_i64(a[0], &act) || get_i64(a[1], &relu_up) || get_ptr(a[2], &g) ||
+        get_i64(a[3], &gs) || get_ptr(a[4], &u) || get_i64(a[5], &us) || get_i64(a[6], &M) || get_i64(a[7], &n) ||
+        get_f32(a[8], &thr) || get_ptr(a[9], &order) || get_ptr(a[10], &out))
+        return NULL;
+    if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
+    if (M < 0 || n < 0 || gs < n || (u && us < n)) return PyErr_Format(PyExc_ValueError, "bad shapes or strides");
+    if (M == 0 || n == 0) Py_RETURN_NONE;
+    if (!g || !out) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_hidden_rows((int)act, relu_up != 0, g, gs, u, us, M, n, thr, order, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* rms_norm(x, w, y, rows, n, eps): y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, float32 */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *x, *w, *y;
@@ -476,6 +498,7 @@ static PyMethodDef methods[] = {
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, r0, r1, out)"},
     {"act", (PyCFunction)(void (*)(void))py_act, METH_FASTCALL, "act(code, v, n): v = act(v) in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
+    {"hidden_rows", (PyCFunction)(void (*)(void))py_hidden_rows, METH_FASTCALL, "hidden_rows(act, relu_up, g, g_stride, u, u_stride, M, n, thr, order, out)"},
     {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
     {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*8, k*8, v*8, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*8, o_bias, scale)"},
     {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*8, up*8, F, down*8)"},

@@ -27,6 +27,9 @@ void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *
 int64_t si_sparse_records(int act, int relu_up, const qmat_t *first, const float *fb, const qmat_t *second,
                           const float *sb, const qmat_t *down_t, const float *x, const int32_t *rows, int64_t n,
                           float thr, float *y);
+/* SparseFFN's thresholded hidden rows for T > 1 (ops.c); g is overwritten with act(g) */
+void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, int64_t us, int64_t M, int64_t n,
+                    float thr, const int64_t *order, float *out);
 const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const qmat_t *down_t);
 void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, float *s);
 void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);

@@ -28,7 +28,7 @@ except ImportError as e:  # no compiler at install time
     _IMPORT_ERROR = e
 
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "decode_attn", "decode_mlp", "matmul_f32", "dequantize_rows", "set_num_threads",
-           "get_num_threads", "simd_level", "neuron_records", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
+           "get_num_threads", "simd_level", "neuron_records", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -294,6 +294,30 @@ def act(x: torch.Tensor, name: str) -> torch.Tensor:
     y = x.float().contiguous().clone()
     _cpu.act(_ACT[name], y.data_ptr(), y.numel())
     return y
+
+
+def hidden_rows(g: torch.Tensor, u: torch.Tensor | None, act: str, threshold: float,
+                order: torch.Tensor | None = None, relu_up: bool = False) -> torch.Tensor:
+    """The thresholded hidden activations of a (sparsified) FFN for M tokens in one pass:
+    a = act(g), h = a * u (relu(u) with `relu_up`; u None: h = a), zero where |a| <= threshold,
+    returned (M, n) with column k moved to `order[k]` (order None: in place).  g and u are
+    (M, n) float32 CPU tensors whose rows may be strided (e.g. the halves of a fused gate+up
+    product); g is overwritten with act(g).  Reference: the torch composition in
+    `SparseFFN._dense`."""
+    M, n = g.shape
+    ok = (_cpu is not None and g.dtype is _F32 and g.is_cpu and g.stride(1) == 1 and g.stride(0) >= n
+          and (u is None or (u.dtype is _F32 and u.is_cpu and u.shape == g.shape and u.stride(1) == 1
+                             and u.stride(0) >= n)))
+    if not ok:
+        raise ValueError("hidden_rows needs float32 CPU (M, n) tensors with contiguous rows")
+    if order is not None:
+        order = order.to(torch.int64).contiguous()
+        if order.shape != (n,):
+            raise ValueError(f"order must have {n} entries")
+    out = torch.empty(M, n, dtype=_F32)
+    _cpu.hidden_rows(_ACT[act], int(bool(relu_up)), g.data_ptr(), g.stride(0), 0 if u is None else u.data_ptr(),
+                     0 if u is None else u.stride(0), M, n, float(threshold), _ptr(order), out.data_ptr())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

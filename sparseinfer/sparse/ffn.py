@@ -276,6 +276,17 @@ class SparseFFN(nn.Module):
     # ------------------------------------------------------------------ dense (T > 1) path
     def hidden(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(M, d) -> (a, h), both (M, n) in hotness order, before masking."""
+        g, u = self._pre(x2)
+        a = self.act(g)
+        if self.gate is None:
+            return a, a
+        if self.act_name == "drelu":
+            u = F.relu(u)
+        return a, a * u
+
+    def _pre(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(M, d) -> the first projection (gate, or up of a plain FFN) and up (None when plain),
+        biases added, before the activation; (M, n) each, in hotness order."""
         lin = lambda w, b: Linear(w, b)(x2)  # noqa: E731
         if self.gate is not None and x2.is_cpu and self._gate_up_intact:
             # one product over the fused gate+up rows: x is quantized once (prefill, as `MLP`)
@@ -287,12 +298,7 @@ class SparseFFN(nn.Module):
         else:
             g = lin(self.first, self.first_bias)
             u = None if self.gate is None else lin(self.up, self.up_bias)
-        a = self.act(g)
-        if self.gate is None:
-            return a, a
-        if self.act_name == "drelu":
-            u = F.relu(u)
-        return a, a * u
+        return g, u
 
     def active_mask(self, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The sparsified model's active set: |a| > t and h != 0."""
@@ -310,6 +316,12 @@ class SparseFFN(nn.Module):
         return mask
 
     def _dense(self, x2: torch.Tensor, per_token_predictor: bool) -> torch.Tensor:
+        if self._one_pass_hidden(x2, per_token_predictor):
+            # activation, threshold mask, gating and un-permutation in one C pass (prefill)
+            g, u = self._pre(x2)
+            h = _kernels().hidden_rows(g, u, self.kernel_act, self.threshold,
+                                       self.order if self.permuted else None, relu_up=self.act_name == "drelu")
+            return self.down(h)
         a, h = self.hidden(x2)
         mask = self.mask(x2, a, h, per_token_predictor)
         if self.observer is not None:
@@ -318,6 +330,13 @@ class SparseFFN(nn.Module):
         if self.permuted:
             h = h.index_select(1, self.inverse)
         return self.down(h)
+
+    def _one_pass_hidden(self, x2: torch.Tensor, per_token_predictor: bool) -> bool:
+        """Where the mask is the threshold alone (no forced density, no per-token predictor, no
+        calibration observer) on the CPU kernels: `cpu.hidden_rows` computes h in one pass."""
+        return (self.observer is None and self.density is None and x2.is_cpu
+                and not (per_token_predictor and self.predictor is not None)
+                and self.kernel_act in _kernels()._ACT and _kernels().available())
 
     def _predicted_mask(self, x2: torch.Tensor) -> torch.Tensor:
         """Forced density: the top-D rows by predictor score, per token."""
