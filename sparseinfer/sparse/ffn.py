@@ -27,6 +27,12 @@ Modes (`mode`):
 - ``oracle``: decode on exactly the active rows (computed densely); for tests.
 One token in ``predict`` mode runs as one C call (`decode_args`, csrc/decode.c: predictor, row
 choice, kernels, counters); `decode_py` drives the same kernels from Python and is its reference.
+Layers that read rows (a predictor or a forced density) and expect at most half their neurons
+active keep each neuron's first, up and down_t rows in one contiguous *record*
+(`make_records`, `kernels.cpu.neuron_records`): the C step then reads one block per active
+neuron in a single pass, up and down always on the kept rows.  Prefill's threshold-masked
+hidden activations come from one C pass (`kernels.cpu.hidden_rows`) where the mask is the
+threshold alone.
 `density` (bench): force the active fraction to D: the top-D rows by predictor score, or a
 random set of rows per token (from a bank drawn once) when there is no predictor (speed only;
 see `_forced_rows`).
