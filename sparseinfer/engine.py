@@ -134,7 +134,23 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     with torch.inference_mode():
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq)
+    _release_freed_memory()
     return llm
+
+
+def _release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS.  Loading makes and drops many weight-sized
+    temporaries (repacking, permuted copies, neuron records); glibc keeps freed blocks under
+    its (growing) mmap threshold in the heap, which left ~500 MB of a sparse Qwen2.5-1.5B
+    load resident (3.54 -> 3.04 GB after the trim; dense 2.72 -> 2.63).  No-op elsewhere."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+            pass
 
 
 def set_threads(n: int) -> None:
