@@ -31,7 +31,7 @@ setup(
             "sparseinfer._cpu",
             sources=SOURCES,
             depends=["sparseinfer/csrc/common.h", "sparseinfer/csrc/ops.h", "sparseinfer/csrc/pool.h",
-                     "sparseinfer/csrc/kern_avx512_impl.h"],
+                     "sparseinfer/csrc/kern_avx512_impl.h", "sparseinfer/csrc/attend_impl.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

@@ -522,13 +522,6 @@ AI __m256 exp_neg(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* Attention of n (<= SI_ATT_MAXG) query heads sharing one KV head.  N is a compile-time
- * constant (see the dispatch below), so the per-head accumulators live in registers: with a
- * run-time n they lived on the stack and every FMA waited on a store-to-load round trip
- * (~90 ns per position for 6 heads of 128 on one core, ~4x this version).  Scores take two
- * positions per step (each q load serves both, twice the independent FMA chains) where the
- * registers allow; V is read in strips of 16 columns (one broadcast of a score serves both
- * halves).  Summation order depends on N, D and L only. */
 /* Rows j < n of sc (n x L) to their softmax, in place. */
 void si_softmax_rows_avx2(float *sc, int n, int64_t L) {
     for (int j = 0; j < n; j++) {
@@ -549,89 +542,19 @@ void si_softmax_rows_avx2(float *sc, int n, int64_t L) {
     }
 }
 
-AI void attend_n(const float *q, const float *K, const float *V, float *sc, float *o, const int N, int64_t D,
-                 int64_t L, float scale) {
-    int64_t l = 0;
-    if (N <= 6) {
-        for (; l + 2 <= L; l += 2) {
-            __m256 a0[SI_ATT_MAXG], a1[SI_ATT_MAXG];
-            for (int j = 0; j < N; j++) a0[j] = a1[j] = _mm256_setzero_ps();
-            const float *k0 = K + l * D, *k1 = k0 + D;
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);
-                for (int j = 0; j < N; j++) {
-                    const __m256 qv = _mm256_loadu_ps(q + j * D + i);
-                    a0[j] = _mm256_fmadd_ps(qv, x0, a0[j]);
-                    a1[j] = _mm256_fmadd_ps(qv, x1, a1[j]);
-                }
-            }
-            for (int j = 0; j < N; j++) {
-                sc[j * L + l] = hsum8(a0[j]) * scale;
-                sc[j * L + l + 1] = hsum8(a1[j]) * scale;
-            }
-        }
-    }
-    for (; l < L; l++) {
-        __m256 acc[SI_ATT_MAXG];
-        for (int j = 0; j < N; j++) acc[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < D; i += 8) {
-            const __m256 kv = _mm256_loadu_ps(K + l * D + i);
-            for (int j = 0; j < N; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + i), kv, acc[j]);
-        }
-        for (int j = 0; j < N; j++) sc[j * L + l] = hsum8(acc[j]) * scale;
-    }
-    si_softmax_rows_avx2(sc, N, L);
-    /* o = P V, over blocks of ATT_LB positions (their V rows stay in L1/L2 while the column
-     * strips pass over them; the strips' partial sums go through o between blocks) */
-    for (int64_t lb = 0; lb < L; lb += ATT_LB) {
-        const int64_t le = lb + ATT_LB < L ? lb + ATT_LB : L;
-        int64_t i = 0;
-        if (N <= 6) {
-            for (; i + 16 <= D; i += 16) {
-                __m256 a0[SI_ATT_MAXG], a1[SI_ATT_MAXG];
-                for (int j = 0; j < N; j++) {
-                    a0[j] = lb ? _mm256_loadu_ps(o + j * D + i) : _mm256_setzero_ps();
-                    a1[j] = lb ? _mm256_loadu_ps(o + j * D + i + 8) : _mm256_setzero_ps();
-                }
-                for (int64_t t = lb; t < le; t++) {
-                    const __m256 v0 = _mm256_loadu_ps(V + t * D + i), v1 = _mm256_loadu_ps(V + t * D + i + 8);
-                    for (int j = 0; j < N; j++) {
-                        const __m256 p = _mm256_broadcast_ss(sc + j * L + t);
-                        a0[j] = _mm256_fmadd_ps(p, v0, a0[j]);
-                        a1[j] = _mm256_fmadd_ps(p, v1, a1[j]);
-                    }
-                }
-                for (int j = 0; j < N; j++) {
-                    _mm256_storeu_ps(o + j * D + i, a0[j]);
-                    _mm256_storeu_ps(o + j * D + i + 8, a1[j]);
-                }
-            }
-        }
-        for (; i < D; i += 8) {
-            __m256 acc[SI_ATT_MAXG];
-            for (int j = 0; j < N; j++) acc[j] = lb ? _mm256_loadu_ps(o + j * D + i) : _mm256_setzero_ps();
-            for (int64_t t = lb; t < le; t++) {
-                const __m256 vv = _mm256_loadu_ps(V + t * D + i);
-                for (int j = 0; j < N; j++) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + j * L + t), vv, acc[j]);
-            }
-            for (int j = 0; j < N; j++) _mm256_storeu_ps(o + j * D + i, acc[j]);
-        }
-    }
-}
-
-void si_attend_heads_avx2(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
-                          int64_t L, float scale) {
-    switch (n) {
-    case 1: attend_n(q, K, V, sc, o, 1, D, L, scale); break;
-    case 2: attend_n(q, K, V, sc, o, 2, D, L, scale); break;
-    case 3: attend_n(q, K, V, sc, o, 3, D, L, scale); break;
-    case 4: attend_n(q, K, V, sc, o, 4, D, L, scale); break;
-    case 5: attend_n(q, K, V, sc, o, 5, D, L, scale); break;
-    case 6: attend_n(q, K, V, sc, o, 6, D, L, scale); break;
-    case 7: attend_n(q, K, V, sc, o, 7, D, L, scale); break;
-    default: attend_n(q, K, V, sc, o, 8, D, L, scale); break;
-    }
-}
+/* si_attend_heads_avx2: attend_impl.h with 8-float vectors (two positions per score step up
+ * to 6 heads: 12 accumulators of the 16 registers) */
+#define AT_V __m256
+#define AT_W 8
+#define AT_LOAD(p) _mm256_loadu_ps(p)
+#define AT_STORE(p, v) _mm256_storeu_ps(p, v)
+#define AT_ZERO() _mm256_setzero_ps()
+#define AT_SET1(x) _mm256_set1_ps(x)
+#define AT_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define AT_SUM(v) hsum8(v)
+#define AT_PAIR_MAX 6
+#define AT_NAME si_attend_heads_avx2
+#include "attend_impl.h"
 
 /* v[i] = act(v[i]) in place (decode's FFN activations): SiLU and ReLU 8 at a time, the GELUs
  * element by element.  SiLU through exp_neg on -|v| (no overflow): with t = e^-|v|,

@@ -1,0 +1,98 @@
+/* Single-token attention of N (<= SI_ATT_MAXG) query heads sharing one KV head, written once
+ * for a vector width; included by kern_avx2.c (8 floats) and kern_avx512.c (16 floats), which
+ * define before including it:
+ *   AT_V, AT_W              vector type and floats per vector
+ *   AT_LOAD(p), AT_STORE(p, v), AT_ZERO(), AT_SET1(x), AT_FMA(a, b, c), AT_SUM(v)
+ *   AT_PAIR_MAX             largest N whose paired accumulators (2N) fit in the registers
+ *   AT_NAME                 the exported function (see common.h)
+ * N is a compile-time constant per dispatch case, so the per-head accumulators live in
+ * registers: with a run-time N they lived on the stack and every FMA waited on a
+ * store-to-load round trip (~90 ns per position for 6 heads of 128 on one core, ~4x this).
+ * Scores take two positions per step (each q load serves both, twice the independent FMA
+ * chains) where the registers allow; o = P V runs over blocks of ATT_LB positions (their V
+ * rows stay in L1/L2 while column strips of two vectors pass over them, one broadcast of a
+ * score serving both; the strips' partial sums go through o between blocks).  Summation
+ * order depends on N, D and L only.  D is a multiple of AT_W. */
+
+static inline __attribute__((always_inline)) void
+attend_n(const float *q, const float *K, const float *V, float *sc, float *o, const int N, int64_t D, int64_t L,
+         float scale) {
+    int64_t l = 0;
+    if (N <= AT_PAIR_MAX) {
+        for (; l + 2 <= L; l += 2) {
+            AT_V a0[SI_ATT_MAXG], a1[SI_ATT_MAXG];
+            for (int j = 0; j < N; j++) a0[j] = a1[j] = AT_ZERO();
+            const float *k0 = K + l * D, *k1 = k0 + D;
+            for (int64_t i = 0; i < D; i += AT_W) {
+                const AT_V x0 = AT_LOAD(k0 + i), x1 = AT_LOAD(k1 + i);
+                for (int j = 0; j < N; j++) {
+                    const AT_V qv = AT_LOAD(q + j * D + i);
+                    a0[j] = AT_FMA(qv, x0, a0[j]);
+                    a1[j] = AT_FMA(qv, x1, a1[j]);
+                }
+            }
+            for (int j = 0; j < N; j++) {
+                sc[j * L + l] = AT_SUM(a0[j]) * scale;
+                sc[j * L + l + 1] = AT_SUM(a1[j]) * scale;
+            }
+        }
+    }
+    for (; l < L; l++) {
+        AT_V acc[SI_ATT_MAXG];
+        for (int j = 0; j < N; j++) acc[j] = AT_ZERO();
+        for (int64_t i = 0; i < D; i += AT_W) {
+            const AT_V kv = AT_LOAD(K + l * D + i);
+            for (int j = 0; j < N; j++) acc[j] = AT_FMA(AT_LOAD(q + j * D + i), kv, acc[j]);
+        }
+        for (int j = 0; j < N; j++) sc[j * L + l] = AT_SUM(acc[j]) * scale;
+    }
+    si_softmax_rows_avx2(sc, N, L);
+    for (int64_t lb = 0; lb < L; lb += ATT_LB) {
+        const int64_t le = lb + ATT_LB < L ? lb + ATT_LB : L;
+        int64_t i = 0;
+        if (N <= AT_PAIR_MAX) {
+            for (; i + 2 * AT_W <= D; i += 2 * AT_W) {
+                AT_V a0[SI_ATT_MAXG], a1[SI_ATT_MAXG];
+                for (int j = 0; j < N; j++) {
+                    a0[j] = lb ? AT_LOAD(o + j * D + i) : AT_ZERO();
+                    a1[j] = lb ? AT_LOAD(o + j * D + i + AT_W) : AT_ZERO();
+                }
+                for (int64_t t = lb; t < le; t++) {
+                    const AT_V v0 = AT_LOAD(V + t * D + i), v1 = AT_LOAD(V + t * D + i + AT_W);
+                    for (int j = 0; j < N; j++) {
+                        const AT_V p = AT_SET1(sc[j * L + t]);
+                        a0[j] = AT_FMA(p, v0, a0[j]);
+                        a1[j] = AT_FMA(p, v1, a1[j]);
+                    }
+                }
+                for (int j = 0; j < N; j++) {
+                    AT_STORE(o + j * D + i, a0[j]);
+                    AT_STORE(o + j * D + i + AT_W, a1[j]);
+                }
+            }
+        }
+        for (; i < D; i += AT_W) {
+            AT_V acc[SI_ATT_MAXG];
+            for (int j = 0; j < N; j++) acc[j] = lb ? AT_LOAD(o + j * D + i) : AT_ZERO();
+            for (int64_t t = lb; t < le; t++) {
+                const AT_V vv = AT_LOAD(V + t * D + i);
+                for (int j = 0; j < N; j++) acc[j] = AT_FMA(AT_SET1(sc[j * L + t]), vv, acc[j]);
+            }
+            for (int j = 0; j < N; j++) AT_STORE(o + j * D + i, acc[j]);
+        }
+    }
+}
+
+void AT_NAME(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D, int64_t L,
+             float scale) {
+    switch (n) {
+    case 1: attend_n(q, K, V, sc, o, 1, D, L, scale); break;
+    case 2: attend_n(q, K, V, sc, o, 2, D, L, scale); break;
+    case 3: attend_n(q, K, V, sc, o, 3, D, L, scale); break;
+    case 4: attend_n(q, K, V, sc, o, 4, D, L, scale); break;
+    case 5: attend_n(q, K, V, sc, o, 5, D, L, scale); break;
+    case 6: attend_n(q, K, V, sc, o, 6, D, L, scale); break;
+    case 7: attend_n(q, K, V, sc, o, 7, D, L, scale); break;
+    default: attend_n(q, K, V, sc, o, 8, D, L, scale); break;
+    }
+}
