@@ -200,8 +200,8 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
         memset(y, 0, (size_t)n * sizeof(float));
     } else if (rows && s->records) {
         /* one pass over whole neuron records: up and down on the kept rows, never dense */
-        const int64_t nk = si_sparse_records(s->act, s->relu_up, s->first, s->first_bias, second, s->second_bias,
-                                             s->down_t, xn, rows, nc, s->threshold, y);
+        const int64_t nk = si_sparse_records(s->records, s->act, s->relu_up, s->first, s->first_bias, second,
+                                             s->second_bias, s->down_t, xn, rows, nc, s->threshold, y);
         cnt[2] += nc, cnt[8] += nk, cnt[7] += nk;
         if (second) cnt[5] += nk;
     } else if (rows && s->fused) {

@@ -470,11 +470,12 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
             return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: gate and up are not one fused weight");
     }
     /* fused bit 2: first, second and down_t are row views into one record per neuron */
-    if ((fused & 4) && !si_record_base(&first, snone ? NULL : &second, &down_t))
+    const uint8_t *rec = (fused & 4) ? si_record_base(&first, snone ? NULL : &second, &down_t) : NULL;
+    if ((fused & 4) && !rec)
         return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: first, second and down_t are not neuron records "
                             "(one common row stride holding all three rows and their scales)");
     ps = (double *)cnt + 10; /* counters: 10 int64, then the predictor's seconds as a float64 */
-    sparse_mlp_t s = {(int)act, relu_up != 0, (fused & 1) != 0, (fused & 4) != 0, F, &first, snone ? NULL : &second,
+    sparse_mlp_t s = {(int)act, relu_up != 0, (fused & 1) != 0, rec, F, &first, snone ? NULL : &second,
                       (fused & 2) ? &both : NULL, fb, sb, &down_t, &down,
                       order, db, pnone ? NULL : &w1, pnone ? NULL : &w2t, b1, cut, topk, thr, cross, upcross, cnt, ps};
     Py_BEGIN_ALLOW_THREADS

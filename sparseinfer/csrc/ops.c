@@ -477,8 +477,9 @@ static void ffn_task(void *p, int64_t c) {
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *upm, const qmat_t *down_t,
                    const float *x, const int32_t *rows, int64_t n, float *y) {
     const qmat_t *first = gate ? gate : upm, *second = gate ? upm : NULL;
-    if (si_record_base(first, second, down_t)) { /* neuron records: their one pass, keeping every row */
-        si_sparse_records(act, 0, first, NULL, second, NULL, down_t, x, rows, n, -1.0f, y);
+    const uint8_t *rec = si_record_base(first, second, down_t);
+    if (rec) { /* neuron records: their one pass, keeping every row */
+        si_sparse_records(rec, act, 0, first, NULL, second, NULL, down_t, x, rows, n, -1.0f, y);
         return;
     }
     const kernels_t *k = kern();
@@ -675,13 +676,11 @@ const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const q
     return hi - lo <= rb ? lo : NULL;
 }
 
-int64_t si_sparse_records(int act, int relu_up, const qmat_t *first, const float *fb, const qmat_t *second,
-                          const float *sb, const qmat_t *down_t, const float *x, const int32_t *rows, int64_t n,
-                          float thr, float *y) {
+int64_t si_sparse_records(const uint8_t *rec, int act, int relu_up, const qmat_t *first, const float *fb,
+                          const qmat_t *second, const float *sb, const qmat_t *down_t, const float *x,
+                          const int32_t *rows, int64_t n, float thr, float *y) {
     const kernels_t *k = kern();
     const int64_t cols = down_t->cols;
-    const uint8_t *rec = si_record_base(first, second, down_t);
-    if (!rec) return -1;
     xq_t xf, xs;
     if (xq_alloc(&xf, 0, layout_of(first->fmt), first->kp, 1) != 0) abort();
     quant_tokens(k, x, first->cols, first->kp, 0, 1, &xf);

@@ -22,11 +22,10 @@ void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,
                    const float *x, const int32_t *rows, int64_t n, float *y);
 /* One pass over candidate neurons whose first/second/down_t rows lie in one record each (see
- * ops.c); keeps |act(first)| > thr; returns the kept count, or -1 when the weights are not
- * record views. */
-int64_t si_sparse_records(int act, int relu_up, const qmat_t *first, const float *fb, const qmat_t *second,
-                          const float *sb, const qmat_t *down_t, const float *x, const int32_t *rows, int64_t n,
-                          float thr, float *y);
+ * ops.c; rec = si_record_base of the three); keeps |act(first)| > thr; returns the kept count. */
+int64_t si_sparse_records(const uint8_t *rec, int act, int relu_up, const qmat_t *first, const float *fb,
+                          const qmat_t *second, const float *sb, const qmat_t *down_t, const float *x,
+                          const int32_t *rows, int64_t n, float thr, float *y);
 /* SparseFFN's thresholded hidden rows for T > 1 (ops.c); g is overwritten with act(g) */
 void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, int64_t us, int64_t M, int64_t n,
                     float thr, const int64_t *order, float *out);
@@ -49,7 +48,7 @@ void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, fl
 /* one token through an activation-sparse FFN (decode.c; SparseFFN in sparseinfer/sparse/ffn.py) */
 typedef struct {
     int act, relu_up, fused;          /* fused: the one-pass kernel over the candidate rows */
-    int records;                      /* first/second/down_t are neuron records (si_sparse_records) */
+    const uint8_t *records;           /* base of first/second/down_t's neuron records (si_record_base), or NULL */
     int64_t F;                        /* neurons, in hotness order */
     const qmat_t *first, *second;     /* gate and up, or (plain FFN) up and NULL */
     const qmat_t *first_up;           /* gate rows then up rows of one buffer (dense gate+up), or NULL */
