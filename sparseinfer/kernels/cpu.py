@@ -449,25 +449,20 @@ def neuron_records(weights: list[QWeight]) -> tuple[torch.Tensor, list[QWeight]]
     rows = weights[0].rows
     if any(w.rows != rows or w.fmt not in ("q4", "q8") for w in weights):
         raise ValueError("neuron records need q4/q8 weights with the same number of rows")
-    pieces = [(w, name) for w in weights for name in ("qs",)] + \
-             [(w, name) for w in weights for name in ("d", "m") if getattr(w, name) is not None]
-    offs, off = [], 0
-    for w, name in pieces:
-        t = getattr(w, name)
-        offs.append(off)
-        off += t.shape[1] * t.element_size()
-    width = (off + 63) // 64 * 64
-    buf = empty_hugepages((rows, width))
-    buf[:, off:].zero_()
-    views: dict[tuple[int, str], torch.Tensor] = {}
-    for (w, name), o in zip(pieces, offs):
-        t = getattr(w, name)
+    # each record: every weight's values, then every weight's scales and mins
+    parts = [(i, "qs", w.qs) for i, w in enumerate(weights)] + \
+            [(i, name, getattr(w, name)) for i, w in enumerate(weights) for name in ("d", "m") if getattr(w, name) is not None]
+    width = sum(t.shape[1] * t.element_size() for _, _, t in parts)
+    buf = empty_hugepages((rows, (width + 63) // 64 * 64))
+    buf[:, width:].zero_()
+    views = [{"d": None, "m": None} for _ in weights]
+    o = 0
+    for i, name, t in parts:
         nbytes = t.shape[1] * t.element_size()
         buf[:, o:o + nbytes].copy_(t.contiguous().view(torch.uint8).view(rows, nbytes))
-        views[id(w), name] = buf[:, o:o + nbytes].view(t.dtype)
-    out = [QWeight(w.fmt, w.rows, w.cols, views[id(w), "qs"], views.get((id(w), "d")), views.get((id(w), "m")))
-           for w in weights]
-    return buf, out
+        views[i][name] = buf[:, o:o + nbytes].view(t.dtype)
+        o += nbytes
+    return buf, [QWeight(w.fmt, w.rows, w.cols, v["qs"], v["d"], v["m"]) for w, v in zip(weights, views)]
 
 
 def set_num_threads(n: int) -> None:

@@ -75,9 +75,7 @@ def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float 
     replace_ffns(model, make)
     if build_decode:  # the neuron-major copies and records, now rather than inside the first decode
         for ffn in sparse_ffns(model):
-            ffn.down_t
-            if ffn._records is None and ffn._records_wanted:
-                ffn.make_records()
+            ffn.build_decode_layout()
     return model
 
 

@@ -510,6 +510,13 @@ class SparseFFN(nn.Module):
         """The weights still are the views into the records (not moved or replaced)."""
         return self._records is not None and all(map(operator.is_, self._rec_parts, (self.gate, self.up, self._down_t)))
 
+    def build_decode_layout(self) -> None:
+        """The decode step's weight copies: `down_t`, and the neuron records where they pay
+        (`sparsify` calls this at load; the C step's arguments otherwise build it on first use)."""
+        self.down_t  # noqa: B018
+        if self._records is None and self._records_wanted:
+            self.make_records()
+
     def make_records(self) -> None:
         """Move first (gate), up and down_t into neuron records (`neuron_records`); gate and up
         stop being views of the fused gate+up weight, whose memory is released."""
@@ -559,8 +566,7 @@ class SparseFFN(nn.Module):
         topk = self._k() if forced and p is not None else 0
         pred = (*cpu._desc(p.w1), ptr(p.b1), *cpu._desc(p.w2t), ptr(p.cut)) if p is not None \
             else (*cpu._NO_GATE, 0, *cpu._NO_GATE, 0)
-        if self._records is None and self._records_wanted:
-            self.make_records()
+        self.build_decode_layout()
         flags = int(fused) | (2 if self._dense_gate_up else 0) | (4 if self._records_intact else 0)
         static = (self.d_model, code, int(self.act_name == "drelu"), flags, self.n_neurons,
                   *cpu._desc(self.first), ptr(self.first_bias),
