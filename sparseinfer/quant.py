@@ -10,6 +10,17 @@ Formats (a weight is a matrix of `rows` x `cols`, one output neuron per row; K =
   value = d * q + m, q in 0..15.  Within a block of 32 values, byte j holds value j in its low
   nibble and value j + 16 in its high nibble (GGUF's Q4_0/Q4_1 order).  Q4_0/Q4_1 repack
   losslessly; Q4_K folds its 6-bit sub-block scales into f16 (d, m) per 32.
+- ``q6``: ``qs`` uint8 ``(rows, Kp * 3 // 4)``; ``d`` f16 ``(rows, Kp // 16)``, one scale per
+  16 values; no ``m``.  value = d * (q - 32), q in 0..63.  GGUF Q6_K repacks into it with its
+  per-16 scale folded into f16 (super-block d times int8 sub-scale, rounded once: 7 bits per
+  weight against Q6_K's 6.56 and q8's 8.5); Q3_K the same way.  Byte layout (`pack_q6`): the
+  row's blocks of 32 in groups of 4 (96 bytes: the 4 blocks' low nibbles in q4 order, 64
+  bytes, then 32 bytes of 2-bit high parts), then the blocks after the last full group, 24
+  bytes each (16 bytes of nibbles in q4 order, 8 of high parts).  High parts, group: the
+  value at nibble position p (0..63, low nibbles) sits in byte p % 32, bits 2 * (p // 32);
+  the one at high-nibble position p in byte p % 32, bits 2 * (2 + p // 32).  Tail block:
+  value j in byte j % 8, bits 2 * (j // 8).  So one load of a group's 64 nibble bytes lines
+  up with the q4 activation layout, and its high parts come from one 32-byte load.
 
 Kp is cols rounded up to a multiple of 32; padding values are zero (q = 0, d = m = 0), so
 products over the padding add nothing.  Every row's bytes (and its scales) are contiguous,
@@ -23,7 +34,7 @@ import torch
 
 BLOCK = 32
 FLOAT_FORMATS = ("f32", "f16", "bf16")
-QUANT_FORMATS = ("q8", "q4")
+QUANT_FORMATS = ("q8", "q4", "q6")
 FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 _TORCH_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -87,6 +98,12 @@ def from_float(w: torch.Tensor, fmt: str) -> QWeight:
         inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(amax))
         q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
         return QWeight("q8", rows, cols, q.view(rows, kp).contiguous(), d.contiguous(), None)
+    if fmt == "q6":
+        sub = wp.view(rows, kp // 16, 16)
+        d = (sub.abs().amax(-1) / 31).to(torch.float16)
+        inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+        q = torch.round(sub * inv[..., None]).clamp(-32, 31) + 32
+        return QWeight("q6", rows, cols, pack_q6(q.view(rows, kp).to(torch.uint8)), d.contiguous(), None)
     lo, hi = blocks.amin(-1), blocks.amax(-1)
     d = ((hi - lo) / 15).to(torch.float16)
     m = lo.to(torch.float16)
@@ -109,9 +126,49 @@ def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(rows, half * 2)
 
 
+def _q6_positions(kp: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each value k of a q6 row of kp values: the byte of its nibble, the nibble's shift
+    (0 or 4), the byte of its 2-bit high part and that part's shift (see the module doc)."""
+    k = torch.arange(kp, device=device)
+    b, j = k // BLOCK, k % BLOCK
+    ng = (kp // BLOCK) // 4
+    g, i = b // 4, b % 4
+    low = j < 16
+    p = i * 16 + j % 16  # nibble position within a group
+    nib_byte = torch.where(b < 4 * ng, g * 96 + p, 96 * ng + (b - 4 * ng) * 24 + j % 16)
+    nib_shift = torch.where(low, 0, 4)
+    hi_byte = torch.where(b < 4 * ng, g * 96 + 64 + p % 32, 96 * ng + (b - 4 * ng) * 24 + 16 + j % 8)
+    hi_shift = torch.where(b < 4 * ng, 2 * (p // 32 + torch.where(low, 0, 2)), 2 * (j // 8))
+    return nib_byte, nib_shift, hi_byte, hi_shift
+
+
+def pack_q6(q: torch.Tensor) -> torch.Tensor:
+    """(rows, Kp) codes 0..63 -> (rows, Kp * 3 // 4) bytes in the q6 layout."""
+    rows, kp = q.shape
+    nb_, ns, hb, hs = _q6_positions(kp, q.device)
+    q = q.to(torch.int64)
+    out = torch.zeros(rows, kp * 3 // 4, dtype=torch.int64, device=q.device)
+    out.index_add_(1, nb_, (q & 15) << ns)
+    out.index_add_(1, hb, (q >> 4) << hs)
+    return out.to(torch.uint8)
+
+
+def unpack_q6(qs: torch.Tensor) -> torch.Tensor:
+    """(rows, Kp * 3 // 4) bytes -> (rows, Kp) codes 0..63 (inverse of `pack_q6`)."""
+    rows, nbytes = qs.shape
+    nb_, ns, hb, hs = _q6_positions(nbytes * 4 // 3, qs.device)
+    b = qs.to(torch.int64)
+    return (((b[:, nb_] >> ns) & 15) | (((b[:, hb] >> hs) & 3) << 4)).to(torch.uint8)
+
+
 def dequantize(w: QWeight) -> torch.Tensor:
     if w.fmt in FLOAT_FORMATS:
         return w.qs.float()
+    if w.fmt == "q6":
+        q = unpack_q6(w.qs).float() - 32
+        rows, kp = q.shape
+        q = q.view(rows, kp // 16, 16) * w.d.float()[..., None]
+        return q.view(rows, kp)[:, : w.cols].contiguous()
     if w.fmt == "q8":
         q = w.qs.float()
     elif w.fmt == "q4":

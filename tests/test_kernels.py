@@ -13,7 +13,8 @@ from sparseinfer.quant import QWeight, from_float, padded
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels not built")
 
-FORMATS = ["f32", "f16", "bf16", "q8", "q8m", "q4"]
+FORMATS = ["f32", "f16", "bf16", "q8", "q8m", "q4", "q6"]
+AXPY_FORMATS = [f for f in FORMATS if f != "q6"]  # q6 has no column-sparse kernel (SparseFFN keeps down_t in q8)
 LEVELS = cpu._cpu.supported_levels() if cpu.available() else []
 SHAPES = [(1, 1), (5, 7), (13, 33), (37, 100), (64, 256), (9, 1000), (6, 4096 + 96)]
 
@@ -67,7 +68,7 @@ def assert_gemv_close(w, x, y, f32_level=True):
     err = (y.double() - ref.gemv(w, x).double()).abs()
     bound = ref.error_bound(w, x, mode)
     assert bool((err <= bound).all()), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
-    if w.fmt in ("q8", "q4"):
+    if w.fmt in ref.INT_FORMATS:
         scale = ref.magnitude(w) @ x.double().abs() + 1e-30
         if mode == "precise" and f32_level:
             # f32-level: the two-term activations are within ~1e-4 of sum |w x| even in the worst case
@@ -103,7 +104,7 @@ def test_gemv_q8_extreme_values(level):
     assert_gemv_close(w, x, cpu.gemv(w, x), f32_level=False)
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q8m", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q8m", "q4", "q6"])
 def test_activation_modes_batch_equals_gemv(level, fmt):
     """In either activation mode a batched product equals per-token gemv, within the contract."""
     for i, (n, k) in enumerate(SHAPES):
@@ -246,7 +247,7 @@ def assert_axpy_close(wt, h, rows, y):
     assert bool(((y.double() - r).abs() <= 1e-5 * scale + 1e-30).all())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", AXPY_FORMATS)
 def test_axpy_rows(level, fmt):
     g = torch.Generator().manual_seed(4)
     for i, (n, k) in enumerate(SHAPES + [(40, 4200), (7, 2048 + 32)]):
@@ -260,6 +261,36 @@ def test_axpy_rows(level, fmt):
             if name == "empty":
                 assert torch.equal(y, torch.zeros(k))
             assert_axpy_close(wt, h, rows, y)
+
+
+def test_q6_refused_where_there_is_no_kernel():
+    """q6 has row kernels (gemv, gemv_rows, matmul) but no column-sparse one: axpy_rows and a
+    sparse FFN with a q6 down_t say so instead of reading the bytes as another format; nor
+    does it make neuron records."""
+    w, x = make_weight("q6", 16, 64), rand(64)
+    rows = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q6 .*axpy"):
+        cpu.axpy_rows(w, rand(4), rows)
+    with pytest.raises(ValueError, match="q6 .*axpy"):
+        cpu.sparse_ffn(x, make_weight("q6", 16, 64, 1), make_weight("q6", 16, 64, 2), w, rows, "silu")
+    with pytest.raises(ValueError):
+        cpu.neuron_records([make_weight("q6", 16, 64, 1), make_weight("q6", 16, 64, 2), make_weight("q8", 16, 64, 3)])
+
+
+def test_q6_layout_round_trip_and_kernel_view():
+    """pack_q6/unpack_q6 invert each other for every tail length; the C kernels read codes
+    and scales where quant.py put them (the emulation decodes through unpack_q6)."""
+    from sparseinfer.quant import pack_q6, unpack_q6
+
+    g = torch.Generator().manual_seed(11)
+    for kp in (32, 64, 96, 128, 160, 224, 256, 4096 + 96):
+        q = torch.randint(0, 64, (3, kp), generator=g, dtype=torch.uint8)
+        assert torch.equal(unpack_q6(pack_q6(q)), q)
+        d = (torch.rand(3, kp // 16, generator=g) * 0.1).to(torch.float16)
+        w = QWeight("q6", 3, kp, pack_q6(q), d, None)
+        exp = ((q.float() - 32).view(3, -1, 16) * d.float()[..., None]).view(3, kp)
+        assert torch.equal(w.dequantize(), exp)
+        assert torch.equal(cpu.dequantize_rows(w, 0, 3), exp)
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8m", "bf16"])
@@ -278,7 +309,7 @@ def test_axpy_rows_many_rows_wide(level, fmt):
 def ffn_expected(x, gate, up, down_t, rows, act):
     """float64 FFN over `rows` where integer-format projections see x rounded like the kernels."""
     def proj(w):
-        if w.fmt in ("q8", "q4"):
+        if w.fmt in ref.INT_FORMATS:
             return ref.gemv_emulated(w, x, cpu.activation_mode())[rows.long()]
         return w.dequantize().double()[rows.long()] @ x.double()
     u = proj(up)
@@ -295,7 +326,7 @@ def test_sparse_ffn(level, fmt, act):
     g = torch.Generator().manual_seed(5)
     records = fmt.endswith("-records")
     fmt = fmt.removesuffix("-records")
-    fmts = ("q4", "q8", "q8") if fmt == "q4q8" else (fmt,) * 3
+    fmts = {"q4q8": ("q4", "q8", "q8"), "q6": ("q6", "q6", "q8")}.get(fmt, (fmt,) * 3)
     for i, (d_model, d_ff) in enumerate([(32, 64), (100, 37), (96, 300)]):
         gated = i != 1
         gate = make_weight(fmts[0], d_ff, d_model, seed=10 + i) if gated else None
@@ -607,7 +638,8 @@ def test_strided_row_views_equal_contiguous_weights(level, fmt):
         for rows in row_sets(n, g).values():
             assert torch.equal(cpu.gemv_rows(v, x, rows), cpu.gemv_rows(w, x, rows))
             h = rand(rows.numel(), seed=i)
-            assert torch.equal(cpu.axpy_rows(v, h, rows), cpu.axpy_rows(w, h, rows))
+            if fmt != "q6":
+                assert torch.equal(cpu.axpy_rows(v, h, rows), cpu.axpy_rows(w, h, rows))
 
 
 def test_strided_views_are_checked():

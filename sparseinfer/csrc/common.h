@@ -5,6 +5,9 @@
  *   q8: qs int8 rows x kp; d (and optional m) f16 rows x nb.  value = d*q (+ m)
  *   q4: qs uint8 rows x kp/2 (GGUF nibble order: byte j = value j | value j+16 << 4 within
  *       each 32-block); d, m f16 rows x nb.  value = d*q + m
+ *   q6: qs uint8 rows x 3kp/4 (see quant.py: groups of 4 blocks = 64 nibble bytes in q4 order +
+ *       32 bytes of 2-bit high parts, then 24-byte tail blocks); d f16 rows x 2nb, one scale
+ *       per 16 values; no m.  value = d*(q - 32), q in 0..63.  Uses the XL_Q4 activation layout.
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
  *   Rows may be strided (`row_bytes`, `ds` above the natural widths): the neuron records of
  *   a SparseFFN keep one neuron's gate, up and down_t rows and scales in one contiguous block,
@@ -39,7 +42,7 @@
 #define SI_X86 0
 #endif
 
-enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_COUNT = 5 };
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_COUNT = 6 };
 enum { XL_NATURAL = 0, XL_Q4 = 1 };
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_COUNT = 4 };
 /* Activation precision of the integer formats: one int8 term per block of 32 (llama.cpp's Q8
@@ -50,7 +53,7 @@ typedef struct {
     int fmt;
     int64_t rows, cols, kp, nb;
     int64_t row_bytes;          /* row stride of qs in bytes (>= the bytes of one row's values) */
-    int64_t ds;                 /* row stride of d and m in f16 elements (>= nb) */
+    int64_t ds;                 /* row stride of d and m in f16 elements (>= nb; q6: >= 2nb) */
     const uint8_t *qs;
     const uint16_t *d;          /* f16 rows x nb (quantized formats), row r at d + r*ds */
     const uint16_t *m;          /* f16 rows x nb or NULL, row r at m + r*ds */
@@ -168,6 +171,19 @@ static inline float si_act_apply(int act, float v) {
  * levels' for the activations they do not vectorize) */
 static inline void si_act_each(int act, float *v, int64_t n) {
     for (int64_t i = 0; i < n; i++) v[i] = si_act_apply(act, v[i]);
+}
+
+/* q6: code (0..63) of value j (0..31) of block b of a row of nb blocks (layout: quant.py) */
+static inline int si_q6_code(const uint8_t *row, int64_t nb, int64_t b, int j) {
+    const int64_t ng = nb / 4;
+    const int lo = j < 16;
+    if (b < 4 * ng) {
+        const uint8_t *g = row + 96 * (b / 4);
+        const int p = (int)(b % 4) * 16 + (j & 15);
+        return ((g[p] >> (lo ? 0 : 4)) & 15) | (((g[64 + p % 32] >> (2 * (p / 32 + (lo ? 0 : 2)))) & 3) << 4);
+    }
+    const uint8_t *t = row + 96 * ng + 24 * (b - 4 * ng);
+    return ((t[j & 15] >> (lo ? 0 : 4)) & 15) | (((t[16 + j % 8] >> (2 * (j / 8))) & 3) << 4);
 }
 
 /* Number of lanes of `de` per token for a given kp (both layouts fit in 8 per block). */

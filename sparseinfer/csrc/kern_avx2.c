@@ -99,7 +99,7 @@ AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uin
         pf[r] = w->qs + rn[r] * w->row_bytes;
         if (w->d) {
             const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
-            for (int64_t o = 0; o < w->nb * 2 + 63; o += 64) {
+            for (int64_t o = 0; o < w->nb * (w->fmt == FMT_Q6 ? 4 : 2) + 63; o += 64) {
                 _mm_prefetch(d + o, _MM_HINT_T1);
                 if (m) _mm_prefetch(m + o, _MM_HINT_T1);
             }
@@ -208,6 +208,83 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]) + tail[r][t];
 }
 
+/* q6: see kern_avx512_impl.h.  Half h of a group (32 nibble bytes) takes field h of the 32
+ * high-part bytes for its low nibbles and field 2 + h for its high nibbles: one shift each. */
+AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4];
+    __m256 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * w->ds;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    const __m256i z = _mm256_setzero_si256();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *gq[4];
+        for (int r = 0; r < R; r++) {
+            gq[r] = qp[r] + 96 * g;
+            _mm_prefetch((const char *)(pf[r] + 96 * g), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf[r] + 96 * g + 64), _MM_HINT_T1);
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256i wl[4], wh[4];
+            __m256 dl[4], dh[4];
+            const __m256i il = h ? _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6) : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+            const __m256i ih = _mm256_add_epi32(il, _mm256_set1_epi32(1));
+            for (int r = 0; r < R; r++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(gq[r] + 32 * h));
+                __m256i hb = _mm256_loadu_si256((const __m256i *)(gq[r] + 64));
+                __m256i fl = h ? _mm256_slli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4);
+                __m256i fh = h ? _mm256_srli_epi16(hb, 2) : hb;
+                wl[r] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(fl, m30));
+                wh[r] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(fh, m30));
+                __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp[r] + 8 * g)));
+                dl[r] = _mm256_permutevar8x32_ps(d8, il);
+                dh[r] = _mm256_permutevar8x32_ps(d8, ih);
+            }
+            for (int t = 0; t < T; t++) {
+                const int8_t *xb = xq->q + t * xq->q_stride + 128 * g + 32 * h;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)xb), xh = _mm256_loadu_si256((const __m256i *)(xb + 64));
+                __m256 de = _mm256_loadu_ps(xq->de + t * xq->de_stride + 16 * g + 8 * h);
+                __m256i nl = _mm256_sub_epi32(z, dot8(c32, xl)), nh = _mm256_sub_epi32(z, dot8(c32, xh));
+                for (int r = 0; r < R; r++) {
+                    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(nl, dot8(wl[r], xl))), dl[r]);
+                    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(nh, dot8(wh[r], xh))), dh[r], f);
+                    acc[r][t] = _mm256_fmadd_ps(f, de, acc[r][t]);
+                }
+            }
+        }
+    }
+    /* tail blocks: value j's high part in byte j % 8, field j / 8 (64-bit lane c: field c) */
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    for (int64_t b = 4 * ng; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *tp = qp[r] + 96 * ng + 24 * (b - 4 * ng);
+            __m128i v = _mm_loadu_si128((const __m128i *)tp);
+            int64_t h8;
+            memcpy(&h8, tp + 16, 8);
+            __m256i hv = _mm256_srlv_epi64(_mm256_sllv_epi64(_mm256_set1_epi64x(h8), _mm256_setr_epi64x(4, 2, 0, 0)),
+                                           _mm256_setr_epi64x(0, 0, 0, 2));
+            __m256i wv = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x)),
+                                         _mm256_and_si256(hv, m30));
+            __m256 dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(dp[r][2 * b + 1])), _mm_set1_ps(_cvtsh_ss(dp[r][2 * b])));
+            for (int t = 0; t < T; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+                __m256i p = _mm256_add_epi32(_mm256_sub_epi32(z, dot8(c32, xv)), dot8(wv, xv));
+                __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(xq->d[t * xq->d_stride + b]));
+                acc[r][t] = _mm256_add_ps(acc[r][t], f);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]);
+}
+
 #define TILE_FN(name, tile, R, T) \
     static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
         tile(w, rr, rn, xq, R, T, res); }
@@ -223,6 +300,12 @@ TILE_FN(q8_1x4, q8_tile, 1, 4)
 TILE_FN(q8_1x1, q8_tile, 1, 1)
 TILE_FN(q8_4x2, q8_tile, 4, 2)
 TILE_FN(q8_1x2, q8_tile, 1, 2)
+TILE_FN(q6_4x4, q6_tile, 4, 4)
+TILE_FN(q6_4x1, q6_tile, 4, 1)
+TILE_FN(q6_1x4, q6_tile, 1, 4)
+TILE_FN(q6_1x1, q6_tile, 1, 1)
+TILE_FN(q6_4x2, q6_tile, 4, 2)
+TILE_FN(q6_1x2, q6_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
 
@@ -240,7 +323,7 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
-    const int q4 = w->fmt == FMT_Q4, P = xq->pair ? 1 : 0;
+    const int q4 = w->fmt == FMT_Q4, q6 = w->fmt == FMT_Q6, P = xq->pair ? 1 : 0;
     const walk_t wk = walk_init(i0, i1, T >> P);
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
@@ -254,6 +337,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : P ? 2 : 1;
             qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : Tn == 2 ? q4_4x2 : q4_4x1) : (Tn == 4 ? q4_1x4 : Tn == 2 ? q4_1x2 : q4_1x1))
+                        : q6 ? (R == 4 ? (Tn == 4 ? q6_4x4 : Tn == 2 ? q6_4x2 : q6_4x1) : (Tn == 4 ? q6_1x4 : Tn == 2 ? q6_1x2 : q6_1x1))
                              : (R == 4 ? (Tn == 4 ? q8_4x4 : Tn == 2 ? q8_4x2 : q8_4x1) : (Tn == 4 ? q8_1x4 : Tn == 2 ? q8_1x2 : q8_1x1));
             xq_t sub = *xq;
             sub.q += t * xq->q_stride;

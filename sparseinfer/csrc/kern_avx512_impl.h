@@ -92,7 +92,7 @@ AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uin
         pf[r] = w->qs + rn[r] * w->row_bytes;
         if (w->d) {
             const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
-            for (int64_t o = 0; o < w->nb * 2 + 63; o += 64) {
+            for (int64_t o = 0; o < w->nb * (w->fmt == FMT_Q6 ? 4 : 2) + 63; o += 64) {
                 _mm_prefetch(d + o, _MM_HINT_T1);
                 if (m) _mm_prefetch(m + o, _MM_HINT_T1);
             }
@@ -317,6 +317,86 @@ AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
     for (int r = 0; r < R; r++) res[r][0] = _mm512_reduce_add_ps(acc[r][0]);
 }
 
+
+/* q6 (value = d16 * (q - 32), q in 0..63, a scale per 16 values).  A group of 4 blocks is 64
+ * nibble bytes (q4 order, so the XL_Q4 activation lines up) and 32 bytes of 2-bit high parts:
+ * the high parts of the 64 low-nibble values are fields 0 (positions 0..31) and 1 (32..63) of
+ * those 32 bytes, those of the high-nibble values fields 2 and 3.  With the 32 bytes in both
+ * halves of a register, one 64-bit rotate per half brings each value's field to bits 4..5.
+ * Products: sum (q - 32) x = sum q x - 32 sum x; the second sum is the same for every row, so
+ * each token's dot-product accumulator starts at -32 sum x.  Per 64-value half (sub-blocks
+ * with their own scales): f = p_lo * d_lo + p_hi * d_hi, then acc += f * d_x. */
+AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *qp[4];
+    const uint16_t *dp[4];
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * w->ds;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
+    }
+    const uint8_t *pf[4];
+    prefetch_next(w, rn, R, pf);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i rot_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), rot_hi = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
+    const __m512i ilo = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i ihi = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i wl[4], wh[4];
+        __m512 dl[4], dh[4];
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(pf[r] + 96 * g), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf[r] + 96 * g + 64), _MM_HINT_T1);
+            const uint8_t *gp = qp[r] + 96 * g;
+            __m512i v = _mm512_loadu_si512(gp);
+            __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(gp + 64)));
+            wl[r] = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_rolv_epi64(hb, rot_lo), m30));
+            wh[r] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                    _mm512_and_si512(_mm512_rolv_epi64(hb, rot_hi), m30));
+            __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp[r] + 8 * g))));
+            dl[r] = _mm512_permutexvar_ps(ilo, d8);
+            dh[r] = _mm512_permutexvar_ps(ihi, d8);
+        }
+        for (int t = 0; t < T; t++) {
+            const int8_t *xb = xq->q + t * xq->q_stride + 128 * g;
+            __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
+            __m512 de = _mm512_loadu_ps(xq->de + t * xq->de_stride + 16 * g);
+            __m512i nl = _mm512_sub_epi32(z, DP512(z, c32, xl)), nh = _mm512_sub_epi32(z, DP512(z, c32, xh));
+            for (int r = 0; r < R; r++) {
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(DP512(nl, wl[r], xl)), dl[r]);
+                f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(DP512(nh, wh[r], xh)), dh[r], f);
+                acc[r][t] = _mm512_fmadd_ps(f, de, acc[r][t]);
+            }
+        }
+    }
+    /* blocks after the last full group: 16 nibble bytes + 8 bytes of high parts (value j in
+     * byte j % 8, field j / 8: 64-bit lane c of the 32 values holds values 8c..8c+7, field c) */
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    const __m256i m30y = _mm256_set1_epi8(0x30), c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
+    const __m256i rot_t = _mm256_set_epi64x(62, 0, 2, 4);
+    for (int64_t b = 4 * ng; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *tp = qp[r] + 96 * ng + 24 * (b - 4 * ng);
+            __m128i v = _mm_loadu_si128((const __m128i *)tp);
+            int64_t h8;
+            memcpy(&h8, tp + 16, 8);
+            __m256i wv = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x)),
+                                         _mm256_and_si256(_mm256_rolv_epi64(_mm256_set1_epi64x(h8), rot_t), m30y));
+            __m256 dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(dp[r][2 * b + 1])), _mm_set1_ps(_cvtsh_ss(dp[r][2 * b])));
+            for (int t = 0; t < T; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+                __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
+                __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(xq->d[t * xq->d_stride + b]));
+                acc[r][t] = _mm512_add_ps(acc[r][t], zext256(f));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
 #define TILE_FN(name, tile, R, T) \
     static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
         tile(w, rr, rn, xq, R, T, res); }
@@ -335,6 +415,12 @@ TILE_FN(q8_1x4, q8_tile, 1, 4)
 TILE1_FN(q8_1x1, q8_tile1, 1)
 TILE_FN(q8_4x2, q8_tile, 4, 2)
 TILE_FN(q8_1x2, q8_tile, 1, 2)
+TILE_FN(q6_4x4, q6_tile, 4, 4)
+TILE_FN(q6_4x1, q6_tile, 4, 1)
+TILE_FN(q6_1x4, q6_tile, 1, 4)
+TILE_FN(q6_1x1, q6_tile, 1, 1)
+TILE_FN(q6_4x2, q6_tile, 4, 2)
+TILE_FN(q6_1x2, q6_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
 
@@ -356,7 +442,7 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
-    const int q4 = w->fmt == FMT_Q4, P = xq->pair ? 1 : 0;
+    const int q4 = w->fmt == FMT_Q4, q6 = w->fmt == FMT_Q6, P = xq->pair ? 1 : 0;
     const walk_t wk = walk_init(i0, i1, T >> P);
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
@@ -370,6 +456,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : P ? 2 : 1;
             qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : Tn == 2 ? q4_4x2 : q4_4x1) : (Tn == 4 ? q4_1x4 : Tn == 2 ? q4_1x2 : q4_1x1))
+                        : q6 ? (R == 4 ? (Tn == 4 ? q6_4x4 : Tn == 2 ? q6_4x2 : q6_4x1) : (Tn == 4 ? q6_1x4 : Tn == 2 ? q6_1x2 : q6_1x1))
                              : (R == 4 ? (Tn == 4 ? q8_4x4 : Tn == 2 ? q8_4x2 : q8_4x1) : (Tn == 4 ? q8_1x4 : Tn == 2 ? q8_1x2 : q8_1x1));
             xq_t sub = *xq;
             sub.q += t * xq->q_stride;

@@ -69,6 +69,13 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             const float *dx = xq->d + t * xq->d_stride, *sx = xq->s + t * xq->d_stride;
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
+                if (w->fmt == FMT_Q6) { /* a scale per 16 values: two integer sums per block */
+                    int32_t is0 = 0, is1 = 0;
+                    for (int j = 0; j < 16; j++) is0 += (si_q6_code(row, nb, b, j) - 32) * q[si_xpos(xq->layout, nb, b, j)];
+                    for (int j = 16; j < 32; j++) is1 += (si_q6_code(row, nb, b, j) - 32) * q[si_xpos(xq->layout, nb, b, j)];
+                    acc += ((float)is0 * si_h2f(dw[2 * b]) + (float)is1 * si_h2f(dw[2 * b + 1])) * dx[b];
+                    continue;
+                }
                 int32_t isum = 0;
                 for (int j = 0; j < 32; j++) isum += wq_at(w, row, b, j) * q[si_xpos(xq->layout, nb, b, j)];
                 acc += si_h2f(dw[b]) * dx[b] * (float)isum;

@@ -58,6 +58,14 @@ static int get_qmat(PyObject *const *a, qmat_t *w, int allow_none, int *is_none)
     return 0;
 }
 
+/* the column-sparse kernels (axpy over neuron-major rows) take f32/f16/bf16/q8/q4 */
+static int axpy_fmt_ok(const qmat_t *w, const char *what) {
+    if (w->fmt != FMT_Q6) return 1;
+    PyErr_Format(PyExc_ValueError, "%s: q6 weights have no column-sparse (axpy) kernel; store the neuron-major "
+                 "matrix as q8 (from_float(w.dequantize(), \"q8\"))", what);
+    return 0;
+}
+
 static int check_rows(const int32_t *rows, int64_t n, int64_t limit) {
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= limit) {
@@ -125,6 +133,7 @@ static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
         get_i64(a[10], &n) || get_ptr(a[11], &y))
         return NULL;
     if (!y) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (!axpy_fmt_ok(&w, "axpy_rows")) return NULL;
     if (n > 0 && (!h || !idx)) return PyErr_Format(PyExc_ValueError, "null data pointer");
     if (n > 0 && check_rows(idx, n, w.rows)) return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -146,6 +155,7 @@ static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     if (!gnone && (g.rows != u.rows || g.cols != u.cols))
         return PyErr_Format(PyExc_ValueError, "gate and up shapes differ");
+    if (!axpy_fmt_ok(&dn, "sparse_ffn down_t")) return NULL;
     if (dn.rows != u.rows) return PyErr_Format(PyExc_ValueError, "down_t must have one row per neuron (%lld), has %lld",
                                                (long long)u.rows, (long long)dn.rows);
     if (!x || !y || (n > 0 && !idx)) return PyErr_Format(PyExc_ValueError, "null data pointer");
@@ -455,6 +465,8 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
     if (!snone) bad |= second.rows != F || second.cols != n;
     if (!pnone) bad |= w1.cols != n || w2t.rows != w1.rows || w2t.cols != F || !b1 || !cut;
     if (bad) return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: inconsistent shapes");
+    if (!axpy_fmt_ok(&down_t, "decode_sparse_mlp down_t") || (!pnone && !axpy_fmt_ok(&w2t, "decode_sparse_mlp predictor w2t")))
+        return NULL;
     if (!x || !xo || !order || !cnt) return PyErr_Format(PyExc_ValueError, "null data pointer");
     if (nrows > 0 && check_rows(rows, nrows, F)) return NULL;
     /* fused bit 1: gate and up are adjacent row blocks of one weight (SparseFFN's views of its
@@ -526,6 +538,7 @@ PyMODINIT_FUNC PyInit__cpu(void) {
     PyModule_AddIntConstant(mod, "FMT_BF16", FMT_BF16);
     PyModule_AddIntConstant(mod, "FMT_Q8", FMT_Q8);
     PyModule_AddIntConstant(mod, "FMT_Q4", FMT_Q4);
+    PyModule_AddIntConstant(mod, "FMT_Q6", FMT_Q6);
     PyModule_AddIntConstant(mod, "XL_NATURAL", XL_NATURAL);
     PyModule_AddIntConstant(mod, "XL_Q4", XL_Q4);
     PyModule_AddIntConstant(mod, "ACT_INT8", ACT_INT8);

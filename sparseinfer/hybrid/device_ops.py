@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import BLOCK, QWeight
+from ..quant import BLOCK, QUANT_FORMATS, QWeight, dequantize
 
 CHUNK_ELEMS = 1 << 20          # weights dequantized at a time (4 MiB of float32)
 DEQUANT_BYTES_PER_ELEM = 12    # float32 result + unpacked bytes + float temporaries, rounded up
@@ -52,6 +52,8 @@ def dequant(w: QWeight) -> torch.Tensor:
     if w.fmt in ("f16", "bf16"):
         return w.qs.float()
     rows = w.rows
+    if w.fmt == "q6":  # bounded by the caller's row chunks (unpacking takes int64 temporaries)
+        return dequantize(w)
     if w.fmt == "q8":
         q = w.qs.float()
     else:  # q4: byte j of a block holds value j (low nibble) and value j + 16 (high nibble)
@@ -101,7 +103,7 @@ def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
     if w.fmt in ("f16", "bf16") and x2.device.type == "cuda":
         return (x2.to(w.qs.dtype) @ w.qs.T).float()  # tensor cores; inputs rounded to the weight type
     y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32, device=x2.device)
-    xq = fake_quant_x(x2) if w.fmt in ("q8", "q4") else x2
+    xq = fake_quant_x(x2) if w.fmt in QUANT_FORMATS else x2
     step = chunk_rows(w)
     for a in range(0, w.rows, step):
         b = min(w.rows, a + step)

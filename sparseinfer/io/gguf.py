@@ -245,13 +245,28 @@ def _q5_k(raw: np.ndarray):
     return "q8", q.astype(np.int8), dd.astype(np.float16), mm.astype(np.float16)
 
 
+def _q6_k(raw: np.ndarray):
+    """Q6_K (ql[128], qh[64], int8 scales[16], f16 d per 256) -> q6 codes in value order and
+    per-16 f16 scales d * scale (ggml's order: in each half of 128 values, value l + 32 i
+    takes nibble i // 2 of ql[l + 32 (i % 2)] and bits 2i of qh[l], for l < 32)."""
+    lead = raw.shape[:-1]
+    ql = raw[..., 0:128].reshape(*lead, 2, 1, 2, 32)  # half, nibble, ql byte group, l
+    lo = (ql >> np.array([0, 4], np.uint8).reshape(2, 1, 1)) & 0x0F  # (..., 2, 2, 2, 32)
+    qh = raw[..., 128:192].reshape(*lead, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = lo.reshape(*lead, 2, 4, 32) | ((qh & 3) << 4)  # (..., half, i, l): value 128 h + 32 i + l
+    sc = raw[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(raw[..., 208:210]).astype(np.float32)[..., None]
+    return "q6", q.reshape(*lead, 256).astype(np.uint8), (d * sc).astype(np.float16), None
+
+
 _BLOCK_CONVERTERS = {
     "Q4_0": (32, _q4_0), "Q4_1": (32, _q4_1), "Q8_0": (32, _q8_0),
     "Q5_0": (32, _q5_0), "Q5_1": (32, _q5_1), "Q4_K": (256, _q4_k), "Q5_K": (256, _q5_k),
+    "Q6_K": (256, _q6_k),
 }
 # Types with no exact repack into our formats: dequantized by the gguf package, then re-quantized
 # to q8 per 32 (8 bits for <= 6-bit data: the added error is far below the type's own step).
-_REQUANT_Q8 = ("Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+_REQUANT_Q8 = ("Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = ("F32", "F16", "BF16") + tuple(_BLOCK_CONVERTERS) + _REQUANT_Q8
 
 
@@ -285,7 +300,12 @@ def tensor_to_qweight(t, keep_float: str | None = None):
     raw = np.asarray(t.data).reshape(rows, cols // block, -1)
     fmt, qs, d, m = conv(raw)
     nb = cols // 32
-    qs = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1))
+    if fmt == "q6":  # codes in value order -> the q6 byte layout; one scale per 16 values
+        from ..quant import pack_q6
+
+        qs = pack_q6(torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, cols)))
+        nb = cols // 16
+    qs = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1)) if isinstance(qs, np.ndarray) else qs
     d = torch.from_numpy(np.ascontiguousarray(d).reshape(rows, nb))
     m = None if m is None else torch.from_numpy(np.ascontiguousarray(m).reshape(rows, nb))
     return QWeight(fmt, rows, cols, qs, d, m)

@@ -30,10 +30,10 @@ except ImportError as e:  # no compiler at install time
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "decode_attn", "decode_mlp", "matmul_f32", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "neuron_records", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
-_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4}
+_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 _QS_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-             "q8": torch.int8, "q4": torch.uint8}
+             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8}
 _F32 = torch.float32
 _I32 = torch.int32
 _Tensor = torch.Tensor
@@ -71,14 +71,16 @@ def _desc(w: QWeight) -> tuple:
         raise ValueError(f"unknown weight format {w.fmt!r}; expected one of {FORMATS}")
     kp = (w.cols + 31) // 32 * 32
     shapes = {"f32": (w.rows, w.cols), "f16": (w.rows, w.cols), "bf16": (w.rows, w.cols),
-              "q8": (w.rows, kp), "q4": (w.rows, kp // 2)}
+              "q8": (w.rows, kp), "q4": (w.rows, kp // 2), "q6": (w.rows, kp // 4 * 3)}
     qst = _check_tensor(w.qs, f"{w.fmt} weight qs", _QS_DTYPE[w.fmt], shapes[w.fmt])
     d = m = dst = 0
-    if w.fmt in ("q8", "q4"):
+    if w.fmt in ("q8", "q4", "q6"):
         if w.d is None:
             raise ValueError(f"{w.fmt} weight needs scales d")
-        dst = _check_tensor(w.d, "scales d", torch.float16, (w.rows, kp // 32))
+        dst = _check_tensor(w.d, "scales d", torch.float16, (w.rows, kp // (16 if w.fmt == "q6" else 32)))
         d = w.d.data_ptr()
+        if w.fmt == "q6" and w.m is not None:
+            raise ValueError("q6 weight takes no mins m")
         if w.m is not None:
             if _check_tensor(w.m, "mins m", torch.float16, (w.rows, kp // 32)) != dst:
                 raise ValueError("mins m and scales d must have the same row stride")

@@ -8,7 +8,7 @@ Accuracy contract of the fast kernels against these:
   so only the summation order differs: ``|y - ref| <= 1e-5 * sum_k |w_k x_k|`` (+ 1e-30).
   For q8/q4 the same relative term uses ``|d*q| + |m|`` in place of ``|w|`` (`magnitude`),
   since the kernels add the two parts separately and they can cancel.
-- integer formats (q8/q4): the fast kernels quantize the activation x per block of 32 to
+- integer formats (q8/q4/q6): the fast kernels quantize the activation x per block of 32 to
   int8: ``d_hi = amax/127``, ``q_hi = round(x/d_hi)`` (`quantize_activation`, llama.cpp's Q8
   activations; mode "int8", the default), so each x value is off by at most d_hi/2 (~1e-2 of
   ``sum |w x|``).  In mode "precise" (`cpu.set_activation_mode`, $SPARSEINFER_ACT_MODE) a
@@ -29,7 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseinfer.quant import BLOCK, QWeight, padded, unpack_nibbles
+from sparseinfer.quant import BLOCK, QWeight, padded, unpack_nibbles, unpack_q6
+
+INT_FORMATS = ("q8", "q4", "q6")
 
 ACTIVATIONS = ("silu", "relu", "gelu", "gelu_tanh")
 
@@ -134,12 +136,11 @@ def activation_rounded(x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
 
 
 def gemv_emulated(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
-    """y = W x for q8/q4 with x rounded exactly as the fast kernels do in `mode` (float64)."""
+    """y = W x for q8/q4/q6 with x rounded exactly as the fast kernels do in `mode` (float64)."""
     _check_mode(mode)
     s = quantize_activation2(x)[4] if mode == "precise" else quantize_activation(x)[2].double()
     xdq = activation_rounded(x, mode)  # (nb, 32)
-    wq = (w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()).view(w.rows, -1, BLOCK)
-    y = torch.einsum("rbk,bk,rb->r", wq, xdq, w.d.double())
+    y = _scaled_codes(w) @ xdq.reshape(-1)
     if w.m is not None:
         y = y + w.m.double() @ s
     return y
@@ -148,13 +149,21 @@ def gemv_emulated(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tens
 def magnitude(w: QWeight) -> torch.Tensor:
     """(rows, cols) float64 |d*q| + |m| (|w| for float formats): the size of the terms a
     kernel adds, which is what rounding errors scale with (d*q and m can cancel)."""
-    if w.fmt not in ("q8", "q4"):
+    if w.fmt not in INT_FORMATS:
         return w.dequantize().double().abs()
-    q = w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()
-    a = (q.view(w.rows, -1, BLOCK) * w.d.double()[..., None]).abs()
+    a = _scaled_codes(w).abs().view(w.rows, -1, BLOCK)
     if w.m is not None:
         a = a + w.m.double().abs()[..., None]
     return a.reshape(w.rows, -1)[:, : w.cols]
+
+
+def _scaled_codes(w: QWeight) -> torch.Tensor:
+    """(rows, Kp) float64 d*q of an integer-format weight (q - 32 for q6), without the m term."""
+    if w.fmt == "q6":
+        q = unpack_q6(w.qs).double() - 32
+        return (q.view(w.rows, -1, 16) * w.d.double()[..., None]).view(w.rows, -1)
+    q = w.qs.double() if w.fmt == "q8" else unpack_nibbles(w.qs).double()
+    return (q.view(w.rows, -1, BLOCK) * w.d.double()[..., None]).view(w.rows, -1)
 
 
 def error_bound(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
@@ -163,7 +172,7 @@ def error_bound(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor
     _check_mode(mode)
     xd = x.double().reshape(-1)
     fl = 1e-5 * (magnitude(w) @ xd.abs()) + 1e-30
-    if w.fmt not in ("q8", "q4"):
+    if w.fmt not in INT_FORMATS:
         return fl
     d = quantize_activation2(x)[3] if mode == "precise" else quantize_activation(x)[1]
     kp = padded(w.cols)

@@ -24,10 +24,12 @@ from ..kv_cache import LayerKV
 # GEMM at 128 tokens and 1.3-1.7x at 512; q8 1.1x at 64 and 2.2-2.6x at 512.  "int8" (one
 # term, llama.cpp's rounding): the q4 kernels stay ahead at every size (131 vs ~80 GOPS at
 # 128 tokens, 116 vs ~100 at 512; Qwen2.5-Coder-1.5B prompt 34 -> 44 tok/s at 512 tokens,
-# 25 -> 48 at 128, A/B in one process), q8 up to ~256 tokens.
+# 25 -> 48 at 128, A/B in one process), q8 up to ~256 tokens.  q6 (same shape, 2 threads,
+# AVX-512 Xeon): int8 kernels 66 vs 64 ms by GEMM at 512 tokens, 33 vs 42 at 256; precise
+# 38 vs 32 ms at 128 tokens, 16 vs 23 at 64.
 _F32_GEMM_MIN_ROWS = {
-    "int8": {"q4": 1 << 62, "q8": 256, "f16": 64, "bf16": 64, "f32": 64},
-    "precise": {"q4": 128, "q8": 64, "f16": 64, "bf16": 64, "f32": 64},
+    "int8": {"q4": 1 << 62, "q8": 256, "q6": 512, "f16": 64, "bf16": 64, "f32": 64},
+    "precise": {"q4": 128, "q8": 64, "q6": 128, "f16": 64, "bf16": 64, "f32": 64},
 }
 
 
@@ -39,7 +41,7 @@ def _matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
                 and x2.shape[0] >= _F32_GEMM_MIN_ROWS[k.activation_mode()].get(w.fmt, 1 << 62):
             return k.matmul_f32(w, x2)
         return k.matmul(w, x2)
-    from ..kernels.device import matmul as dev_matmul
+    from ..hybrid.device_ops import matmul as dev_matmul
 
     return dev_matmul(w, x2)
 
