@@ -10,7 +10,8 @@
 3. Sparse kernels on the neuron-major shapes (d_ff x d_model): gemv_rows (gate/up), axpy_rows
    (down_t) and the fused sparse_ffn at active fractions 1, 0.5, 0.25, 0.1, 0.05 (random
    sorted row ids), timed against the dense kernel reading the same bytes; sparse_ffn also on
-   neuron records (q4/q8: one contiguous gate+up+down_t record per neuron).
+   neuron records (q4/q8: one contiguous gate+up+down_t record per neuron).  q6 (GGUF Q6_K
+   tensors) has row kernels only: gemv and gemv_rows.
 4. For the record: torch index_select + linear, torch linear, numba Q4 gemv.
 
 Every timing is the best of several passes (the machine may be shared).  --json writes a
@@ -154,6 +155,9 @@ class Bench:
             touched = n * ws[0].row_bytes()
             t = self.rotate(ws, lambda w: cpu.gemv_rows(w, x, rows, out=yr))
             self.add("gemv_rows", fmt, d_ff, d_model, frac, t, touched, vs_dense=t / t_up)
+            if fmt == "q6":  # row kernels only: a q6 FFN keeps its down_t in q8 (no q6 axpy)
+                log(f"  {fmt:4s} {d_ff}x{d_model} active {frac:4.2f}: gemv_rows {t * 1e3:6.3f} ms ({t_up / t:4.1f}x)")
+                continue
             t2 = self.rotate(ws, lambda w: cpu.axpy_rows(w, h, rows, out=xo))
             self.add("axpy_rows", fmt, d_ff, d_model, frac, t2, touched, vs_dense=t2 / t_down)
             t3 = best_time(lambda: [cpu.sparse_ffn(x, a, b, c, rows, act, out=xo) for a, b, c in ffn],
@@ -458,7 +462,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the records to this file")
     ap.add_argument("--md", help="write a markdown report (e.g. docs/kernels-benchmarks.md)")
     ap.add_argument("--plot", help="write the sparse plot (e.g. docs/img/kernels_sparse.png)")
-    ap.add_argument("--formats", default="q4,q8,f16,bf16,f32")
+    ap.add_argument("--formats", default="q4,q8,q6,f16,bf16,f32")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reps", type=int, default=5, help="passes per measurement (best is kept)")
     ap.add_argument("--working-set", type=float, default=1.5e9, help="bytes of weight copies per measurement")
@@ -472,7 +476,7 @@ def main(argv=None):
         return report_from_json(args)
     models = args.models.split(",")
     if args.quick:
-        args.formats = [f for f in args.formats if f in ("q4", "q8")] or ["q4"]
+        args.formats = [f for f in args.formats if f in ("q4", "q8", "q6")] or ["q4"]
         models, args.reps, args.working_set = models[:1], 3, min(args.working_set, 0.6e9)
     if not cpu.available():
         sys.exit("sparseinfer._cpu is not built: pip install -e . with a C compiler")
@@ -488,7 +492,7 @@ def main(argv=None):
     for name in models:
         d_ff, d_model = MODELS[name]
         log(f"{name}: d_ff {d_ff}, d_model {d_model}")
-        for fmt in [f for f in args.formats if f in ("q4", "q8")]:
+        for fmt in [f for f in args.formats if f in ("q4", "q8", "q6")]:
             rb = from_float(torch.zeros(1, d_model), fmt).row_bytes()
             g = random_rows_probe(rb, 0.1)
             b.add("read_rows_probe", fmt, d_ff, d_model, 0.1, 0.0, 0, row_bytes=rb, probe_rows_gbps=g)
