@@ -96,14 +96,16 @@ def test_decode_steps_equal_python_layers(kind, qtype, tmp_path, tokens, monkeyp
         torch.testing.assert_close(a.v[:, :, : a.length], b.v[:, :, : b.length], atol=tol, rtol=tol)
 
 
-def test_unfused_projections_of_mixed_formats(tmp_path, tokens, monkeypatch):
-    """q/k/v and gate/up in different formats (as Q4_K_M files mix Q4_K and Q6_K) cannot be fused;
-    the C steps take them separately, with biases (qwen2)."""
+@pytest.mark.parametrize("fmt", ["q8", "q6"])
+def test_unfused_projections_of_mixed_formats(tmp_path, tokens, monkeypatch, fmt):
+    """q/k/v and gate/up in different formats (as Q4_K_M files mix Q4_K and Q6_K, which we
+    hold as q4 and q6) cannot be fused; the C steps take them separately, with biases (qwen2)."""
     hf = hf_model("qwen2")
     model = build_model(GGUFSource(export_gguf(hf, tmp_path / "m.gguf", "Q4_1")))
     for layer in model.layers:
-        layer.attn.v.weight = from_float(layer.attn.v.weight.dequantize(), "q8")
-        layer.mlp.up.weight = from_float(layer.mlp.up.weight.dequantize(), "q8")
+        layer.attn.v.weight = from_float(layer.attn.v.weight.dequantize(), fmt)
+        layer.mlp.up.weight = from_float(layer.mlp.up.weight.dequantize(), fmt)
+        layer.mlp.down.weight = from_float(layer.mlp.down.weight.dequantize(), fmt)
     count = Count(monkeypatch)
     fast, _ = stepwise(model, tokens)
     assert count.n["attn"] == count.n["mlp"] == 2 * 10

@@ -100,7 +100,7 @@ def tokens():
 
 
 # ---------------------------------------------------------------------------- device operators
-@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8", "q4"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8", "q4", "q6"])
 @pytest.mark.parametrize("cols", [64, 200])
 @pytest.mark.parametrize("mode", ["int8", "precise"])
 def test_device_ops_match_cpu_kernels(fmt, cols, mode):

@@ -117,7 +117,8 @@ def _mlp(act: str, gated: bool, bias: bool, d: int = 40, n: int = 96, fmt: str =
 
 @pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "f32"), ("silu", True, False, "q4"),
                                                  ("drelu", True, False, "f32"), ("relu", False, True, "f32"),
-                                                 ("gelu", False, True, "q8"), ("relu", True, False, "q8")])
+                                                 ("gelu", False, True, "q8"), ("relu", True, False, "q8"),
+                                                 ("silu", True, False, "q6")])
 @pytest.mark.parametrize("threshold", [0.0, 0.1])
 @pytest.mark.parametrize("with_predictor", [True, False])
 def test_decode_matches_reference(act, gated, bias, fmt, threshold, with_predictor):
