@@ -13,7 +13,7 @@ Formats (a weight is a matrix of `rows` x `cols`, one output neuron per row; K =
 - ``q6``: ``qs`` uint8 ``(rows, Kp * 3 // 4)``; ``d`` f16 ``(rows, Kp // 16)``, one scale per
   16 values; no ``m``.  value = d * (q - 32), q in 0..63.  GGUF Q6_K repacks into it with its
   per-16 scale folded into f16 (super-block d times int8 sub-scale, rounded once: 7 bits per
-  weight against Q6_K's 6.56 and q8's 8.5); Q3_K the same way.  Byte layout (`pack_q6`): the
+  weight against Q6_K's 6.56 and q8's 8.5).  Byte layout (`pack_q6`): the
   row's blocks of 32 in groups of 4 (96 bytes: the 4 blocks' low nibbles in q4 order, 64
   bytes, then 32 bytes of 2-bit high parts), then the blocks after the last full group, 24
   bytes each (16 bytes of nibbles in q4 order, 8 of high parts).  High parts, group: the
@@ -28,6 +28,7 @@ so a kernel that skips an inactive neuron skips its bytes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,7 @@ def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(rows, half * 2)
 
 
+@functools.lru_cache(maxsize=16)
 def _q6_positions(kp: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each value k of a q6 row of kp values: the byte of its nibble, the nibble's shift
     (0 or 4), the byte of its 2-bit high part and that part's shift (see the module doc)."""

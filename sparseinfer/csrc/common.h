@@ -53,7 +53,8 @@ typedef struct {
     int fmt;
     int64_t rows, cols, kp, nb;
     int64_t row_bytes;          /* row stride of qs in bytes (>= the bytes of one row's values) */
-    int64_t ds;                 /* row stride of d and m in f16 elements (>= nb; q6: >= 2nb) */
+    int64_t nd;                 /* scales (and mins) per row: nb, or 2nb for q6 (one per 16) */
+    int64_t ds;                 /* row stride of d and m in f16 elements (>= nd) */
     const uint8_t *qs;
     const uint16_t *d;          /* f16 rows x nb (quantized formats), row r at d + r*ds */
     const uint16_t *m;          /* f16 rows x nb or NULL, row r at m + r*ds */

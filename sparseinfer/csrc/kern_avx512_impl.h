@@ -92,7 +92,7 @@ AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uin
         pf[r] = w->qs + rn[r] * w->row_bytes;
         if (w->d) {
             const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
-            for (int64_t o = 0; o < w->nb * (w->fmt == FMT_Q6 ? 4 : 2) + 63; o += 64) {
+            for (int64_t o = 0; o < w->nd * 2 + 63; o += 64) {
                 _mm_prefetch(d + o, _MM_HINT_T1);
                 if (m) _mm_prefetch(m + o, _MM_HINT_T1);
             }
@@ -423,6 +423,12 @@ TILE_FN(q6_4x2, q6_tile, 4, 2)
 TILE_FN(q6_1x2, q6_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
+/* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1) */
+static const qtile_fn QTILES[3][2][3] = {
+    {{q8_4x4, q8_4x2, q8_4x1}, {q8_1x4, q8_1x2, q8_1x1}},
+    {{q4_4x4, q4_4x2, q4_4x1}, {q4_1x4, q4_1x2, q4_1x1}},
+    {{q6_4x4, q6_4x2, q6_4x1}, {q6_1x4, q6_1x2, q6_1x1}},
+};
 
 /* Position of the r-th row of tile j: with one token, a tile takes its 4 rows from 4
  * separate quarters of [i0, i1) (row j of each), so each quarter is read front to back and
@@ -442,7 +448,8 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
-    const int q4 = w->fmt == FMT_Q4, q6 = w->fmt == FMT_Q6, P = xq->pair ? 1 : 0;
+    const qtile_fn(*tiles)[3] = QTILES[w->fmt - FMT_Q8];
+    const int P = xq->pair ? 1 : 0;
     const walk_t wk = walk_init(i0, i1, T >> P);
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
@@ -455,9 +462,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
         }
         for (int64_t t = 0; t < T;) {
             const int Tn = T - t >= 4 ? 4 : P ? 2 : 1;
-            qtile_fn fn = q4 ? (R == 4 ? (Tn == 4 ? q4_4x4 : Tn == 2 ? q4_4x2 : q4_4x1) : (Tn == 4 ? q4_1x4 : Tn == 2 ? q4_1x2 : q4_1x1))
-                        : q6 ? (R == 4 ? (Tn == 4 ? q6_4x4 : Tn == 2 ? q6_4x2 : q6_4x1) : (Tn == 4 ? q6_1x4 : Tn == 2 ? q6_1x2 : q6_1x1))
-                             : (R == 4 ? (Tn == 4 ? q8_4x4 : Tn == 2 ? q8_4x2 : q8_4x1) : (Tn == 4 ? q8_1x4 : Tn == 2 ? q8_1x2 : q8_1x1));
+            const qtile_fn fn = tiles[R == 4 ? 0 : 1][Tn == 4 ? 0 : Tn == 2 ? 1 : 2];
             xq_t sub = *xq;
             sub.q += t * xq->q_stride;
             sub.d += t * xq->d_stride;

@@ -2,8 +2,8 @@
  *
  * The Python wrapper (sparseinfer/kernels/cpu.py) owns dtype/shape/contiguity checks; this
  * layer checks what it can see (formats, sizes, null pointers, row ids in range) and raises
- * ValueError rather than crashing.  A weight is passed as 6 ints: fmt, rows, cols, qs, d, m
- * (d/m = 0 for None).  The GIL is released while kernels run. */
+ * ValueError rather than crashing.  A weight is passed as 8 ints: fmt, rows, cols, qs, d, m
+ * (d/m = 0 for None), qs row stride in bytes, d/m row stride in elements (0 = natural).  The GIL is released while kernels run. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 

@@ -91,15 +91,15 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
     case FMT_Q6: w->row_bytes = w->kp / 4 * 3; break;
     default: w->row_bytes = w->kp / 2; break;
     }
-    const int64_t nd = fmt == FMT_Q6 ? 2 * w->nb : w->nb; /* scales per row */
-    w->ds = nd;
+    w->nd = fmt == FMT_Q6 ? 2 * w->nb : w->nb;
+    w->ds = w->nd;
     /* strides: 0 = natural; never below the natural widths */
     if (qs_stride) {
         if (qs_stride < w->row_bytes) return -1;
         w->row_bytes = qs_stride;
     }
     if (d_stride) {
-        if (d_stride < nd) return -1;
+        if (d_stride < w->nd) return -1;
         w->ds = d_stride;
     }
     if (fmt >= FMT_Q8 && !d && rows > 0) return -1;
@@ -669,7 +669,7 @@ const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const q
         if (!w) continue;
         if ((w->fmt != FMT_Q8 && w->fmt != FMT_Q4) || w->row_bytes != rb || 2 * w->ds != rb) return NULL;
         const uint8_t *ps[3] = {w->qs, (const uint8_t *)w->d, (const uint8_t *)w->m};
-        const int64_t len[3] = {w->fmt == FMT_Q4 ? w->kp / 2 : w->kp, 2 * w->nb, 2 * w->nb};
+        const int64_t len[3] = {w->fmt == FMT_Q4 ? w->kp / 2 : w->kp, 2 * w->nd, 2 * w->nd};
         for (int t = 0; t < 3; t++) {
             if (!ps[t]) continue;
             if (!lo || ps[t] < lo) lo = ps[t];
@@ -912,25 +912,10 @@ static void deq_row(const qmat_t *w, int64_t r, float *o) {
     }
     const uint16_t *dr = w->d + r * w->ds, *mr = w->m ? w->m + r * w->ds : NULL;
     float blk[32];
-    if (w->fmt == FMT_Q6) { /* codes of whole groups (layout: quant.py), then the tail blocks */
-        const int64_t ng = w->nb / 4;
+    if (w->fmt == FMT_Q6) { /* a scale per 16 values; codes by si_q6_code (layout: quant.py) */
         for (int64_t b = 0; b < w->nb; b++) {
-            if (b < 4 * ng) {
-                const uint8_t *g = q + 96 * (b / 4), *nib = g + 16 * (b % 4);
-                const int p0 = (int)(b % 4) * 16;
-                for (int j = 0; j < 16; j++) {
-                    const int p = p0 + j, hb = g[64 + p % 32], f = 2 * (p / 32);
-                    blk[j] = (float)(((nib[j] & 15) | (((hb >> f) & 3) << 4)) - 32);
-                    blk[16 + j] = (float)(((nib[j] >> 4) | (((hb >> (f + 4)) & 3) << 4)) - 32);
-                }
-            } else {
-                for (int j = 0; j < 32; j++) blk[j] = (float)(si_q6_code(q, w->nb, b, j) - 32);
-            }
             const float d0 = si_h2f(dr[2 * b]), d1 = si_h2f(dr[2 * b + 1]);
-            for (int j = 0; j < 16; j++) {
-                blk[j] *= d0;
-                blk[16 + j] *= d1;
-            }
+            for (int j = 0; j < 32; j++) blk[j] = (float)(si_q6_code(q, w->nb, b, j) - 32) * (j < 16 ? d0 : d1);
             int64_t n = cols - b * 32 < 32 ? cols - b * 32 : 32;
             memcpy(o + b * 32, blk, (size_t)n * sizeof(float));
         }

@@ -305,7 +305,8 @@ def tensor_to_qweight(t, keep_float: str | None = None):
 
         qs = pack_q6(torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, cols)))
         nb = cols // 16
-    qs = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1)) if isinstance(qs, np.ndarray) else qs
+    else:
+        qs = torch.from_numpy(np.ascontiguousarray(qs).reshape(rows, -1))
     d = torch.from_numpy(np.ascontiguousarray(d).reshape(rows, nb))
     m = None if m is None else torch.from_numpy(np.ascontiguousarray(m).reshape(rows, nb))
     return QWeight(fmt, rows, cols, qs, d, m)
