@@ -98,6 +98,9 @@ typedef struct {
     uint64_t (*read_sum)(const uint8_t *p, int64_t nbytes);
     /* v[i] = act(v[i]) in place (ACT_* code) */
     void (*act)(int act, float *v, int64_t n);
+    /* the neuron-record pass (ops.c) prefetches whole records a block ahead (1) or only their
+     * first cache line (0); measured per level, see rec_prefetch */
+    int rec_prefetch_whole;
 } kernels_t;
 
 /* de of one token from its block scales d (layout as described above) */

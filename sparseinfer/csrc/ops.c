@@ -587,14 +587,20 @@ typedef struct {
     int64_t *kept;        /* per partition */
 } rec_ctx;
 
-/* Touch the first cache line of each of the next records.  Prefetching whole records (45
- * lines each for a 1536-wide q4 FFN) a block ahead filled the miss buffers and stalled the
- * computation behind them; one line per record starts the DRAM access early and the L2
- * streamer follows the rest of the contiguous record (records pass at active fraction 0.1,
- * alternated builds: 4.5 -> 5.0-5.3x faster than dense for 8960x1536 q4, 5.1-5.4 -> 6.5-6.8x
- * for 11008x4096). */
+/* Start the reads of the next records.  With the AVX-512 kernels, prefetching whole records
+ * (45 lines each for a 1536-wide q4 FFN) a block ahead filled the miss buffers and stalled
+ * the computation behind them; touching the first line of each record starts the DRAM
+ * access and the L2 streamer follows the rest of the contiguous record (records pass at
+ * active fraction 0.1, builds alternated: 4.5 -> 5.0-5.3x faster than dense for 8960x1536
+ * q4, 5.1-5.4 -> 6.5-6.8x for 11008x4096).  The slower AVX2 kernels, on the same machine,
+ * do better with whole records on the 1536-wide shape (3.8-4.0x vs 3.1-3.2x; 4.2-4.3x vs
+ * 4.7-5.0x on the 4096-wide one), so each level says which it takes. */
 static void rec_prefetch(const rec_ctx *a, const int32_t *rows, int64_t n) {
-    for (int64_t j = 0; j < n; j++) __builtin_prefetch(a->rec + (int64_t)rows[j] * a->rec_bytes, 0, 2);
+    const int64_t step = a->k->rec_prefetch_whole ? 64 : a->rec_bytes;
+    for (int64_t j = 0; j < n; j++) {
+        const char *p = (const char *)(a->rec + (int64_t)rows[j] * a->rec_bytes);
+        for (int64_t o = 0; o < a->rec_bytes; o += step) __builtin_prefetch(p + o, 0, 2);
+    }
 }
 
 /* y part += sum of h_i * down_t[kr_i] over the collected rows */
