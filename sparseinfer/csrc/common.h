@@ -101,6 +101,12 @@ typedef struct {
     /* the neuron-record pass (ops.c) prefetches whole records a block ahead (1) or only their
      * first cache line (0); measured per level, see rec_prefetch */
     int rec_prefetch_whole;
+    /* single-token attention of up to SI_ATT_MAXG query heads over one KV head (see
+     * si_attend_heads_avx2 below) for head sizes D that are multiples of attend_w; NULL: the
+     * portable version in ops.c */
+    void (*attend)(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D, int64_t L,
+                   float scale);
+    int attend_w;
 } kernels_t;
 
 /* de of one token from its block scales d (layout as described above) */

@@ -672,7 +672,7 @@ void si_act_avx2(int act, float *v, int64_t n) {
     }
 }
 
-const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1};
+const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, si_attend_heads_avx2, 8};
 #else
 typedef int si_empty_translation_unit;
 #endif

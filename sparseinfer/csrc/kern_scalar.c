@@ -140,4 +140,4 @@ static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
     return acc;
 }
 
-const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, si_act_each, 1};
+const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, si_act_each, 1, NULL, 0};

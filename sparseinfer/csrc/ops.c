@@ -841,7 +841,7 @@ typedef struct {
     float *o, *sc;
     int64_t H, Hk, D, L, kstride, vstride, per, ntask_kv;
     float scale;
-    int simd; /* 0 portable, 1 AVX2, 2 AVX-512 */
+    void (*fn)(const float *, const float *, const float *, float *, float *, int, int64_t, int64_t, float);
 } att_ctx;
 
 /* The portable version of si_attend_heads_avx2 (same arguments, see common.h). */
@@ -870,11 +870,7 @@ static void att_task(void *p, int64_t t) {
     const int64_t h0 = kh * g + part * a->per, h1 = h0 + a->per < (kh + 1) * g ? h0 + a->per : (kh + 1) * g;
     const float *K = a->k + kh * a->kstride, *V = a->v + kh * a->vstride;
     if (h1 <= h0) return;
-    void (*fn)(const float *, const float *, const float *, float *, float *, int, int64_t, int64_t, float) = attend_heads;
-#if SI_X86
-    if (a->simd) fn = a->simd == 2 ? si_attend_heads_avx512 : si_attend_heads_avx2;
-#endif
-    fn(a->q + h0 * a->D, K, V, a->sc + h0 * a->L, a->o + h0 * a->D, (int)(h1 - h0), a->D, a->L, a->scale);
+    a->fn(a->q + h0 * a->D, K, V, a->sc + h0 * a->L, a->o + h0 * a->D, (int)(h1 - h0), a->D, a->L, a->scale);
 }
 
 void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
@@ -886,9 +882,12 @@ void si_attend1(const float *q, const float *k, const float *v, float *o, int64_
      * fewer KV heads than threads */
     int64_t parts = (g + SI_ATT_MAXG - 1) / SI_ATT_MAXG, want = (nthreads() + Hk - 1) / Hk;
     if (parts < want) parts = want < g ? want : g;
-    att_ctx a = {q, k, v, o, sc, H, Hk, D, L, kstride, vstride, (g + parts - 1) / parts, parts, scale, 0};
-    a.simd = SI_X86 && D % 8 == 0 && strcmp(si_level(), "scalar") != 0;
-    if (a.simd && D % 16 == 0 && strncmp(si_level(), "avx512", 6) == 0) a.simd = 2; /* 16-float vectors */
+    const kernels_t *kl = kern();
+    att_ctx a = {q, k, v, o, sc, H, Hk, D, L, kstride, vstride, (g + parts - 1) / parts, parts, scale, attend_heads};
+    if (kl->attend && D % kl->attend_w == 0) a.fn = kl->attend;
+#if SI_X86
+    else if (kl->attend && D % 8 == 0) a.fn = si_attend_heads_avx2; /* the AVX-512 levels' for D = 8 mod 16 */
+#endif
     run(att_task, &a, Hk * parts, H * L * D * 8);
 }
 
