@@ -83,6 +83,13 @@ AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const 
     }
 }
 
+/* Prefetch hint of the one-token dot tiles (rows and scales) and the axpy: T0 (into L1).  On
+ * scattered rows it read 6-12% faster than T1 in gemv_rows (q4/q6/q8 at active fractions
+ * 0.1-0.25) and a little faster in axpy_rows; dense gemv unchanged (Xeon, AVX-512, 2
+ * threads; docs/benchmarks.md, "Prefetch hint").  The matmul tiles and the neuron-record pass
+ * (ops.c) keep T1: records measured no better with T0. */
+AI void pfx(const char *p) { _mm_prefetch(p, _MM_HINT_T0); }
+
 /* Software prefetch of the next tile's rows (the hardware prefetchers alone leave a core at
  * about a third of its share of DRAM bandwidth on short row streams): their scales now,
  * their data one cache line per line consumed here.  Without a next tile, rows are
@@ -93,8 +100,8 @@ AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uin
         if (w->d) {
             const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
             for (int64_t o = 0; o < w->nd * 2 + 63; o += 64) {
-                _mm_prefetch(d + o, _MM_HINT_T1);
-                if (m) _mm_prefetch(m + o, _MM_HINT_T1);
+                pfx(d + o);
+                if (m) pfx(m + o);
             }
         }
     }
@@ -242,7 +249,7 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             const int8_t *xb = xq->q + 128 * g;
             __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char *)(pf[r] + 64 * g), _MM_HINT_T1);
+                pfx((const char *)(pf[r] + 64 * g));
                 __m512i v = _mm512_loadu_si512(qp[r] + 64 * g);
                 __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 __m512i p = DP512(DP512(z, lo, xl), hi, xh);
@@ -293,7 +300,7 @@ AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             const int64_t p = p0 + pp;
             __m512i xv = _mm512_loadu_si512(xq->q + 64 * p);
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char *)(pf[r] + 64 * p), _MM_HINT_T1);
+                pfx((const char *)(pf[r] + 64 * p));
                 __m512i v = _mm512_loadu_si512(qp[r] + 64 * p);
                 __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(v), z, xv);
                 __m512i pr = DP512(z, _mm512_abs_epi8(v), xs);
@@ -347,8 +354,8 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         __m512i wl[4], wh[4];
         __m512 dl[4], dh[4];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(pf[r] + 96 * g), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pf[r] + 96 * g + 64), _MM_HINT_T1);
+            pfx((const char *)(pf[r] + 96 * g));
+            pfx((const char *)(pf[r] + 96 * g + 64));
             const uint8_t *gp = qp[r] + 96 * g;
             __m512i v = _mm512_loadu_si512(gp);
             __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(gp + 64)));
@@ -595,13 +602,13 @@ AI void axpy_prefetch(const qmat_t *wt, const int32_t *rows, int64_t j, int64_t 
     for (int r = 0; r < R && j + r < n; r++) {
         const int64_t row = rows[j + r];
         const char *p = (const char *)(wt->qs + row * wt->row_bytes);
-        for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        for (int64_t o = s0 & ~(int64_t)63; o < s1; o += 64) pfx(p + o);
         if (wt->d) {
             const char *d = (const char *)(wt->d + row * wt->ds);
-            for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(d + o, _MM_HINT_T1);
+            for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) pfx(d + o);
             if (wt->m) {
                 const char *m = (const char *)(wt->m + row * wt->ds);
-                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) _mm_prefetch(m + o, _MM_HINT_T1);
+                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * b1; o += 64) pfx(m + o);
             }
         }
     }
@@ -623,7 +630,7 @@ AI void axpy_f_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64
     int64_t c = c0;
     for (; c + 16 <= c1; c += 16) {
         if (esz == 4 || !(c & 16))
-            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(pf[r] + c * esz), _MM_HINT_T1);
+            for (int r = 0; r < R; r++) pfx((const char *)(pf[r] + c * esz));
         __m512 yv = _mm512_loadu_ps(y + c);
         for (int r = 0; r < R; r++) yv = _mm512_fmadd_ps(hv[r], loadw(fmt, wp[r], c), yv);
         _mm512_storeu_ps(y + c, yv);
@@ -663,7 +670,7 @@ AI void axpy_q_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64
         const int64_t c = (b0 + b) * 32;
         if (((b0 + b) % bpl) == 0)
             for (int r = 0; r < R; r++)
-                _mm_prefetch((const char *)(pf[r] + (fmt == FMT_Q4 ? 16 : 32) * (b0 + b)), _MM_HINT_T1);
+                pfx((const char *)(pf[r] + (fmt == FMT_Q4 ? 16 : 32) * (b0 + b)));
         const int full = c + 32 <= c1;
         const __mmask16 k0 = lanes(c1 - c), k1 = lanes(c1 - c - 16);
         __m512 y0 = full ? _mm512_loadu_ps(y + c) : _mm512_maskz_loadu_ps(k0, y + c);
