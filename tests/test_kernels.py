@@ -199,14 +199,69 @@ def test_matmul_edge_cases():
     assert torch.equal(cpu.matmul(w, xt), cpu.matmul(w, xt.contiguous()))
 
 
-def test_matmul_large_prefill_shape():
-    w = make_weight("q4", 96, 640)
-    xs = rand(130, 640)
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q8m", "q6", "f16"])
+def test_matmul_large_prefill_shape(level, fmt):
+    """A prefill-sized product (on avx512amx: AMX tiles for q4/q8, with leftover rows and
+    tokens on the VNNI tiles) equals per-token gemv: bit for bit where the level promises it,
+    within the contract everywhere."""
+    w = make_weight(fmt, 96 + 5, 640 + 20)
+    xs = rand(130, 640 + 20)
     y = cpu.matmul(w, xs)
-    for t in (0, 63, 64, 129):
-        assert torch.equal(y[t], cpu.gemv(w, xs[t]))
-    for t in (0, 64, 129):
+    for t in (0, 15, 16, 63, 64, 127, 128, 129):
+        g = cpu.gemv(w, xs[t])
+        if cpu.matmul_equals_gemv():
+            assert torch.equal(y[t], g)
+        else:
+            scale = ref.magnitude(w) @ xs[t].double().abs() + 1e-30
+            assert bool(((y[t].double() - g.double()).abs() <= 1e-5 * scale).all())
         assert_gemv_close(w, xs[t], y[t])
+
+
+AMX = "avx512amx" in LEVELS
+
+
+@pytest.mark.skipif(not AMX, reason="the CPU or OS offers no AMX")
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q8m", "q6"])
+def test_amx_matmul_matches_reference_and_vnni(fmt, act_mode):
+    """AMX tile products (blocks of K in steps of 64 blocks, 16 x 16 tiles, leftovers on the
+    VNNI tiles) match the reference within the contract and the VNNI level to f32 rounding;
+    the two-term activation mode keeps the VNNI tiles (bit-identical to gemv)."""
+    old = cpu.simd_level()
+    try:
+        for mode in cpu.ACTIVATION_MODES:
+            act_mode(mode)
+            for i, (n, k, m) in enumerate([(16, 32, 16), (17, 33, 17), (48, 100, 31), (40, 2100, 20), (64, 4096 + 96, 48)]):
+                w = make_weight(fmt, n, k, seed=40 + i)
+                xs = rand(m, k, seed=500 + i) * (1 + i)
+                cpu._cpu.set_simd_level("avx512amx")
+                ya = cpu.matmul(w, xs)
+                cpu._cpu.set_simd_level("avx512vnni")
+                yv = cpu.matmul(w, xs)
+                for t in range(m):
+                    assert_gemv_close(w, xs[t], ya[t])
+                    scale = ref.magnitude(w) @ xs[t].double().abs() + 1e-30
+                    assert bool(((ya[t].double() - yv[t].double()).abs() <= 1e-5 * scale).all()), (fmt, n, k, m, t)
+                if mode == "precise":
+                    assert torch.equal(ya, yv)
+    finally:
+        cpu._cpu.set_simd_level(old)
+
+
+@pytest.mark.skipif(not AMX, reason="the CPU or OS offers no AMX")
+def test_amx_matmul_deterministic_across_threads(threads):
+    old = cpu.simd_level()
+    try:
+        cpu._cpu.set_simd_level("avx512amx")
+        for fmt in ("q4", "q8", "q6"):
+            w = make_weight(fmt, 1000, 700, seed=3)
+            xs = rand(77, 700, seed=9)
+            outs = []
+            for n in (1, 2, 3):
+                threads(n)
+                outs.append(cpu.matmul(w, xs))
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+    finally:
+        cpu._cpu.set_simd_level(old)
 
 
 # -------------------------------------------------------------------------- gemv_rows

@@ -71,6 +71,9 @@ typedef struct {
      * q_lo of x - d_hi*q_hi (d_lo = max|residual|/127, s = d_lo*sum(q_lo)).  dot_q then takes T virtual
      * tokens (even), tiles never split a pair, and writes y[t] = y(2t) + y(2t+1). */
     int pair;
+    /* avx512amx only: the same activations packed for the tile unit, 16 tokens at a time (see
+     * kern_amx.c), or NULL; token t's group is t / 16 */
+    uint8_t *tiles;
 } xq_t;
 
 /* Output addressing of a dot-product tile: element (row i, token t) -> y[i*ysr + t*yst]. */
@@ -107,6 +110,14 @@ typedef struct {
     void (*attend)(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D, int64_t L,
                    float scale);
     int attend_w;
+    /* many-token products (T > 1) give each task a multiple of this many rows (0: 4), so that
+     * a level whose tiles span more rows (avx512amx: 16) splits the same way for any thread
+     * count */
+    int matmul_row_align;
+    /* NULL, or: pack token groups [g0, g1) of 16 tokens of xq (nb blocks) into xq->tiles, whose
+     * size is tiles_bytes(nb) per group */
+    void (*pack_tokens)(const xq_t *xq, int64_t nb, int64_t g0, int64_t g1);
+    size_t (*tiles_bytes)(int64_t nb);
 } kernels_t;
 
 /* de of one token from its block scales d (layout as described above) */
@@ -134,6 +145,8 @@ extern const kernels_t si_kernels_scalar;
 extern const kernels_t si_kernels_avx2;
 extern const kernels_t si_kernels_avx512;
 extern const kernels_t si_kernels_avx512vnni;
+extern const kernels_t si_kernels_avx512amx;
+int si_amx_supported(void);
 #endif
 
 static inline float si_h2f(uint16_t h) {

@@ -18,12 +18,13 @@
 
 const char *const si_level_names[] = {
 #if SI_X86
-    "avx512vnni", "avx512", "avx2",
+    "avx512amx", "avx512vnni", "avx512", "avx2",
 #endif
     "scalar", NULL};
 
 static const kernels_t *table_of(const char *name) {
 #if SI_X86
+    if (!strcmp(name, "avx512amx")) return &si_kernels_avx512amx;
     if (!strcmp(name, "avx512vnni")) return &si_kernels_avx512vnni;
     if (!strcmp(name, "avx512")) return &si_kernels_avx512;
     if (!strcmp(name, "avx2")) return &si_kernels_avx2;
@@ -38,6 +39,7 @@ int si_level_supported(const char *name) {
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (!strcmp(name, "avx512amx")) return avx512 && __builtin_cpu_supports("avx512vnni") && si_amx_supported();
     if (!strcmp(name, "avx512vnni")) return avx512 && __builtin_cpu_supports("avx512vnni");
     if (!strcmp(name, "avx512")) return avx512;
     if (!strcmp(name, "avx2")) return avx2;
@@ -114,8 +116,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
 /* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
  * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
  * 4 = axpy partial sums, 5 = attention scores, 6 = fused decode steps (decode.c),
- * 7 = a worker's temporaries in the neuron-record FFN pass. */
-static _Thread_local struct { void *p; size_t n; } TLS[8];
+ * 7 = a worker's temporaries in the neuron-record FFN pass, 8,9 = activations of slot 0,1
+ * packed for AMX tiles. */
+static _Thread_local struct { void *p; size_t n; } TLS[10];
 
 void *si_scratch(int slot, size_t n) {
     if (TLS[slot].n < n) {
@@ -156,6 +159,7 @@ static int xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
     xq->pair = si_act_mode() == ACT_PRECISE;
     T <<= xq->pair;
     xq->layout = layout;
+    xq->tiles = NULL;
     xq->q_stride = up(kp, 64);
     xq->d_stride = up(nb, 16);
     xq->de_stride = up(si_de_len(nb), 16);
@@ -298,6 +302,17 @@ static void quant_task(void *p, int64_t c) {
     quant_tokens(a->k, a->x, a->K, a->kp, t0, t1, a->xq);
 }
 
+typedef struct {
+    const kernels_t *k;
+    const xq_t *xq;
+    int64_t nb;
+} pack_ctx;
+
+static void pack_task(void *p, int64_t g) {
+    const pack_ctx *a = p;
+    a->k->pack_tokens(a->xq, a->nb, g, g + 1);
+}
+
 /* y[i*ysr + t*yst] = W[rows[i]] . x_t for i < n, t < T. */
 static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, int64_t T,
                  yout_t out, int xslot) {
@@ -316,6 +331,16 @@ static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x
         a.T = T << xq.pair;
         /* keep a token chunk of quantized activations within ~256 KB (L2) */
         a.tchunk = up(262144 / xq.q_stride, 4);
+        xq.tiles = NULL;
+        if (k->pack_tokens && T >= 16 && !xq.pair) {
+            /* the tile kernels take every token at once (they block over K themselves) */
+            const int64_t nb = w->kp / 32;
+            xq.tiles = scratch(8 + xslot, (size_t)(T / 16) * k->tiles_bytes(nb) + 64);
+            if (!xq.tiles) abort();
+            pack_ctx pc = {k, &xq, nb};
+            run(pack_task, &pc, T / 16, T * w->cols * 64);
+            a.tchunk = T;
+        }
     } else {
         a.tchunk = up(262144 / (4 * w->cols), 4);
     }
@@ -327,7 +352,8 @@ static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x
         int64_t c = (n + 4 * nthreads() - 1) / (4 * nthreads());
         int64_t maxr = 262144 / (w->row_bytes ? w->row_bytes : 1);
         if (c > maxr) c = maxr;
-        a.chunk = up(c < 4 ? 4 : c, 4);
+        const int64_t align = k->matmul_row_align > 4 ? k->matmul_row_align : 4;
+        a.chunk = up(c < align ? align : c, align);
     }
     int64_t nchunks = (n + a.chunk - 1) / a.chunk;
     run(dot_task, &a, nchunks, n * w->row_bytes * (T > 1 ? 64 : 1));

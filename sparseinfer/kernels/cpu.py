@@ -501,5 +501,18 @@ def activation_mode() -> str:
 
 
 def simd_level() -> str:
-    """'avx512vnni', 'avx512', 'avx2', 'scalar' (compiled kernels) or 'reference' (fallback)."""
+    """'avx512amx', 'avx512vnni', 'avx512', 'avx2', 'scalar' (compiled kernels) or 'reference'
+    (fallback).  The best level the CPU (and, for AMX, the OS) supports is the default;
+    $SPARSEINFER_SIMD picks another at start-up."""
     return _cpu.simd_level() if _cpu is not None else "reference"
+
+
+# Levels whose many-token products (prefill) run on a tile unit that sums each block's
+# products exactly but scales and adds them in another order than the one-token kernels: their
+# matmul rows equal gemv of the same token within the error contract, not bit for bit.
+TILE_LEVELS = ("avx512amx",)
+
+
+def matmul_equals_gemv() -> bool:
+    """True when a matmul row is bit-identical to gemv of that token at the current level."""
+    return simd_level() not in TILE_LEVELS
