@@ -65,16 +65,15 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* tiles: 0, 3 weights (16 rows x kb bytes); 1, 4 activations (kb/4 x 64); 2, 5 sums (16 x 64).
+/* tiles: 0, 1 weights (16 rows x kb bytes); 2, 3 activations (kb/4 x 64); 4-7 sums (16 x 64).
  * kb = 32 (q8, q4: one block per step) or 16 (q6: one scale per 16 values). */
 static void amx_config(int kb) {
     tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        const int kind = t % 3;
-        cfg.rows[t] = kind == 1 ? kb / 4 : 16;
-        cfg.colsb[t] = kind == 0 ? kb : 64;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t == 2 || t == 3 ? kb / 4 : 16;
+        cfg.colsb[t] = t < 2 ? kb : 64;
     }
     _tile_loadconfig(&cfg);
 }
@@ -202,67 +201,63 @@ AI void scale_block(__m512 *acc, const int32_t *c, const float *dw, const float 
 }
 
 /* acc (16 rows x 16 tokens, in/out) over blocks [0, kb) of packed weights and one packed
- * token group (xb, xd, xs already offset to the first block) */
-static void tile16(const int8_t *wb, const float *dw, const float *mw, const int8_t *xb, const float *xd,
-                   const float *xs, int64_t kb, int sgn, float *accp) {
-    __m512 acc[16];
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_load_ps(accp + 16 * r);
-    int32_t c[2][256] __attribute__((aligned(64)));
-    int64_t b = 0;
-    for (; b + 2 <= kb; b += 2) {
-        _tile_loadd(0, wb + b * 512, 32);
-        _tile_loadd(1, xb + b * 512, 64);
-        _tile_zero(2);
-        _tile_loadd(3, wb + (b + 1) * 512, 32);
-        _tile_loadd(4, xb + (b + 1) * 512, 64);
-        _tile_zero(5);
-        if (sgn) {
-            _tile_dpbssd(2, 0, 1);
-            _tile_dpbssd(5, 3, 4);
-        } else {
-            _tile_dpbusd(2, 0, 1);
-            _tile_dpbusd(5, 3, 4);
-        }
-        _tile_stored(2, c[0], 64);
-        _tile_stored(5, c[1], 64);
-        scale_block(acc, c[0], dw + b * 16, mw ? mw + b * 16 : NULL, xd + b * 16, xs + b * 16);
-        scale_block(acc, c[1], dw + (b + 1) * 16, mw ? mw + (b + 1) * 16 : NULL, xd + (b + 1) * 16, xs + (b + 1) * 16);
-    }
-    if (b < kb) {
-        _tile_loadd(0, wb + b * 512, 32);
-        _tile_loadd(1, xb + b * 512, 64);
-        _tile_zero(2);
-        if (sgn)
-            _tile_dpbssd(2, 0, 1);
-        else
-            _tile_dpbusd(2, 0, 1);
-        _tile_stored(2, c[0], 64);
-        scale_block(acc, c[0], dw + b * 16, mw ? mw + b * 16 : NULL, xd + b * 16, xs + b * 16);
-    }
-    for (int r = 0; r < 16; r++) _mm512_store_ps(accp + 16 * r, acc[r]);
-}
+ * token group (xb, xd, xs already offset to the first block).
+ *
+ * Work comes in units: a block (q8, q4: K = 32) or half a block (q6: K = 16, its own scale).
+ * Pairs of units alternate between two sets of result tiles, so the tile unit computes pair
+ * p + 1 while the vector unit scales pair p (a result read right after its product waits
+ * for the whole product).  Tiles: 0, 1 weights; 2, 3 activations; 4-7 results. */
+#define UA(u) (q6 ? wb + ((u) >> 1) * 512 + ((u) & 1) * 16 : wb + (u) * 512)
+#define UB(u) (q6 ? xb + ((u) >> 1) * 512 + ((u) & 1) * 256 : xb + (u) * 512)
+#define DP(c, a, b) do { if (sgn) _tile_dpbssd(c, a, b); else _tile_dpbusd(c, a, b); } while (0)
+#define PAIR(u, n, c0, c1) do {                                   \
+        _tile_loadd(0, UA(u), 32);                                \
+        _tile_loadd(2, UB(u), 64);                                \
+        _tile_zero(c0);                                           \
+        DP(c0, 0, 2);                                             \
+        if ((n) > 1) {                                            \
+            _tile_loadd(1, UA((u) + 1), 32);                      \
+            _tile_loadd(3, UB((u) + 1), 64);                      \
+            _tile_zero(c1);                                       \
+            DP(c1, 1, 3);                                         \
+        }                                                         \
+    } while (0)
+#define FINISH(u, n, c0, c1) do {                                 \
+        _tile_stored(c0, c[0], 64);                               \
+        if ((n) > 1) _tile_stored(c1, c[1], 64);                  \
+        for (int64_t v = 0; v < (n); v++)                         \
+            scale_block(acc, c[v], dw + ((u) + v) * 16, mw ? mw + ((u) + v) * 16 : NULL,  \
+                        xd + (((u) + v) >> q6) * 16, xs + (((u) + v) >> q6) * 16);       \
+    } while (0)
 
-/* q6: the two 16-value halves of each block are separate K = 16 steps (one scale each) */
-static void tile16_q6(const int8_t *wb, const float *dw, const int8_t *xb, const float *xd, int64_t kb, float *accp) {
+static void tile16(const int8_t *wb, const float *dw, const float *mw, const int8_t *xb, const float *xd,
+                   const float *xs, int64_t kb, int sgn, int q6, float *accp) {
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_load_ps(accp + 16 * r);
     int32_t c[2][256] __attribute__((aligned(64)));
-    for (int64_t b = 0; b < kb; b++) {
-        _tile_loadd(0, wb + b * 512, 32);
-        _tile_loadd(1, xb + b * 512, 64);
-        _tile_zero(2);
-        _tile_loadd(3, wb + b * 512 + 16, 32);
-        _tile_loadd(4, xb + b * 512 + 256, 64);
-        _tile_zero(5);
-        _tile_dpbssd(2, 0, 1);
-        _tile_dpbssd(5, 3, 4);
-        _tile_stored(2, c[0], 64);
-        _tile_stored(5, c[1], 64);
-        scale_block(acc, c[0], dw + 2 * b * 16, NULL, xd + b * 16, NULL);
-        scale_block(acc, c[1], dw + (2 * b + 1) * 16, NULL, xd + b * 16, NULL);
+    const int64_t nu = q6 ? 2 * kb : kb;
+#define NP(u) (nu - (u) >= 2 ? 2 : 1)
+    /* pairs at units 0, 2, 4, ...: even pairs in tiles 4, 5, odd pairs in 6, 7 */
+    PAIR(0, NP(0), 4, 5);
+    int64_t u = 0;
+    for (;;) {
+        if (u + 2 < nu) PAIR(u + 2, NP(u + 2), 6, 7);
+        FINISH(u, NP(u), 4, 5);
+        u += 2;
+        if (u >= nu) break;
+        if (u + 2 < nu) PAIR(u + 2, NP(u + 2), 4, 5);
+        FINISH(u, NP(u), 6, 7);
+        u += 2;
+        if (u >= nu) break;
     }
+#undef NP
     for (int r = 0; r < 16; r++) _mm512_store_ps(accp + 16 * r, acc[r]);
 }
+#undef UA
+#undef UB
+#undef DP
+#undef PAIR
+#undef FINISH
 
 #define AMX_KB 64 /* blocks per K step: 16 rows of weights = 32 KB, a token group's = 40 KB */
 
@@ -293,20 +288,26 @@ static void amx_dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t 
             for (int64_t g = 0; g < ng; g++) {
                 const int8_t *xb = (const int8_t *)xq->tiles + g * gbytes;
                 const float *xd = (const float *)(xb + nb * 512) + b0 * 16, *xs = xd + nb * 16;
-                if (q6)
-                    tile16_q6(wb, dw, xb + b0 * 512, xd, kb, acc + (ig * ng + g) * 256);
-                else
-                    tile16(wb, dw, mw, xb + b0 * 512, xd, xs, kb, sgn, acc + (ig * ng + g) * 256);
+                tile16(wb, dw, mw, xb + b0 * 512, xd, xs, kb, sgn, q6, acc + (ig * ng + g) * 256);
             }
         }
     }
     _tile_release();
+    /* write back: with ysr == 1 (matmul: y[t][row]) a token's 16 rows are one vector */
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    float *y = out->y;
+    const int64_t ysr = out->ysr, yst = out->yst;
     for (int64_t ig = 0; ig < nrg; ig++)
         for (int64_t g = 0; g < ng; g++) {
             const float *res = acc + (ig * ng + g) * 256;
-            for (int r = 0; r < 16; r++)
+            if (ysr == 1) {
                 for (int t = 0; t < 16; t++)
-                    out->y[(i0 + 16 * ig + r) * out->ysr + (16 * g + t) * out->yst] = res[16 * r + t];
+                    _mm512_storeu_ps(y + i0 + 16 * ig + (16 * g + t) * yst, _mm512_i32gather_ps(col, res + t, 4));
+            } else {
+                for (int r = 0; r < 16; r++)
+                    for (int t = 0; t < 16; t++) y[(i0 + 16 * ig + r) * ysr + (16 * g + t) * yst] = res[16 * r + t];
+            }
         }
     /* the rest on the VNNI tiles: leftover rows with every token, leftover tokens of the tiled rows */
     if (i0 + nr < i1) dot_q(w, rows, i0 + nr, i1, xq, T, out);
