@@ -189,17 +189,6 @@ static void pack_tokens(const xq_t *xq, int64_t nb, int64_t g0, int64_t g1) {
     }
 }
 
-/* acc[r] (16 tokens) += float(C[r]) * (dw[r] * xd) (+ mw[r] * xs) for the 16 rows of one block */
-AI void scale_block(__m512 *acc, const int32_t *c, const float *dw, const float *mw, const float *xd, const float *xs) {
-    const __m512 xdv = _mm512_loadu_ps(xd);
-    for (int r = 0; r < 16; r++)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), _mm512_mul_ps(_mm512_set1_ps(dw[r]), xdv), acc[r]);
-    if (mw) {
-        const __m512 xsv = _mm512_loadu_ps(xs);
-        for (int r = 0; r < 16; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mw[r]), xsv, acc[r]);
-    }
-}
-
 /* acc (16 rows x 16 tokens, in/out) over blocks [0, kb) of packed weights and one packed
  * token group (xb, xd, xs already offset to the first block).
  *
@@ -222,18 +211,38 @@ AI void scale_block(__m512 *acc, const int32_t *c, const float *dw, const float 
             DP(c1, 1, 3);                                         \
         }                                                         \
     } while (0)
+/* The 16 accumulators are named variables (a0..a15), not an array: with an array GCC kept
+ * them in memory around the tile instructions, which cost ~3x in the scaling. */
+#define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define SCALE_R(r) a##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * r)), \
+                                          _mm512_mul_ps(_mm512_set1_ps(dwp[r]), xdv), a##r);
+#define MTERM_R(r) a##r = _mm512_fmadd_ps(_mm512_set1_ps(mwp[r]), xsv, a##r);
+/* acc += float(sums of unit u, in cb) * (dw * d_x) (+ mw * s_x) */
+#define SCALE(u, cb_) do {                                        \
+        const int32_t *cb = (cb_);                                \
+        const float *dwp = dw + (u) * 16;                         \
+        const __m512 xdv = _mm512_loadu_ps(xd + ((u) >> q6) * 16); \
+        ROWS(SCALE_R)                                             \
+        if (mw) {                                                 \
+            const float *mwp = mw + (u) * 16;                     \
+            const __m512 xsv = _mm512_loadu_ps(xs + ((u) >> q6) * 16); \
+            ROWS(MTERM_R)                                         \
+        }                                                         \
+    } while (0)
 #define FINISH(u, n, c0, c1) do {                                 \
         _tile_stored(c0, c[0], 64);                               \
-        if ((n) > 1) _tile_stored(c1, c[1], 64);                  \
-        for (int64_t v = 0; v < (n); v++)                         \
-            scale_block(acc, c[v], dw + ((u) + v) * 16, mw ? mw + ((u) + v) * 16 : NULL,  \
-                        xd + (((u) + v) >> q6) * 16, xs + (((u) + v) >> q6) * 16);       \
+        SCALE(u, c[0]);                                           \
+        if ((n) > 1) {                                            \
+            _tile_stored(c1, c[1], 64);                           \
+            SCALE((u) + 1, c[1]);                                 \
+        }                                                         \
     } while (0)
 
 static void tile16(const int8_t *wb, const float *dw, const float *mw, const int8_t *xb, const float *xd,
                    const float *xs, int64_t kb, int sgn, int q6, float *accp) {
-    __m512 acc[16];
-    for (int r = 0; r < 16; r++) acc[r] = _mm512_load_ps(accp + 16 * r);
+#define LOAD_R(r) __m512 a##r = _mm512_load_ps(accp + 16 * r);
+#define STORE_R(r) _mm512_store_ps(accp + 16 * r, a##r);
+    ROWS(LOAD_R)
     int32_t c[2][256] __attribute__((aligned(64)));
     const int64_t nu = q6 ? 2 * kb : kb;
 #define NP(u) (nu - (u) >= 2 ? 2 : 1)
@@ -251,13 +260,19 @@ static void tile16(const int8_t *wb, const float *dw, const float *mw, const int
         if (u >= nu) break;
     }
 #undef NP
-    for (int r = 0; r < 16; r++) _mm512_store_ps(accp + 16 * r, acc[r]);
+    ROWS(STORE_R)
+#undef LOAD_R
+#undef STORE_R
 }
 #undef UA
 #undef UB
 #undef DP
 #undef PAIR
 #undef FINISH
+#undef SCALE
+#undef SCALE_R
+#undef MTERM_R
+#undef ROWS
 
 #define AMX_KB 64 /* blocks per K step: 16 rows of weights = 32 KB, a token group's = 40 KB */
 
