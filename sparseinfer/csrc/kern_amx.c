@@ -7,8 +7,9 @@
  * The block sums are exact integers; each is then scaled like the VNNI tiles scale theirs:
  *     acc[r][t] += float(sum) * (d_w[r,b] * d_x[t,b])      (+ m_w[r,b] * s_x[t,b] with mins)
  * with the blocks in order.  q6 (a scale per 16 values) takes two steps of K = 16 per block
- * on its codes minus 32 (TDPBSSD), each scaled by its own d_w.  The float rounding differs from the VNNI tiles (they sum 8
- * products per lane and reduce the 16 lanes at the end), so on this level a matmul row
+ * on its codes minus 32 (TDPBSSD), each scaled by its own d_w.  The float rounding differs
+ * from the VNNI tiles (they sum 8 products per lane and reduce the 16 lanes at the end), so
+ * on this level a matmul row
  * equals the gemv of that token within the kernels' error contract, not bit for bit; every
  * result is still independent of runs and thread counts (ops.c splits rows in multiples of
  * 16, see kernels_t.matmul_row_align, and tokens by a count that depends on K only).
@@ -132,7 +133,8 @@ static void pack_q6(const qmat_t *w, const int64_t *rr, int64_t b0, int64_t kb, 
  * scales dw[b][r] and mins mw[b][r] as floats. */
 static void pack_weights(const qmat_t *w, const int64_t *rr, int64_t b0, int64_t kb, int8_t *wb, float *dw, float *mw) {
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    const int64_t nb = w->nb;
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
     if (w->fmt == FMT_Q6) {
         pack_q6(w, rr, b0, kb, wb, dw);
         return;
@@ -144,16 +146,12 @@ static void pack_weights(const qmat_t *w, const int64_t *rr, int64_t b0, int64_t
             int8_t *dst = wb + (b * 16 + r) * 32;
             if (w->fmt == FMT_Q8) {
                 _mm256_store_si256((__m256i *)dst, _mm256_loadu_si256((const __m256i *)(q + 32 * (b0 + b))));
-            } else if (w->fmt == FMT_Q6) {
-                for (int j = 0; j < 32; j++) dst[j] = (int8_t)(si_q6_code(q, nb, b0 + b, j) - 32);
             } else {
                 __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * (b0 + b)));
                 _mm_store_si128((__m128i *)dst, _mm_and_si128(v, m4));
                 _mm_store_si128((__m128i *)(dst + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
             }
         }
-        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(16));
         for (int64_t b = 0; b < kb; b += 16) {
             const __mmask16 mk = (__mmask16)(kb - b >= 16 ? 0xFFFF : (1u << (kb - b)) - 1);
             _mm512_mask_i32scatter_ps(dw + b * 16 + r, mk, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, d + b)), 4);
