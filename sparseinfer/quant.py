@@ -144,8 +144,9 @@ def _q6_positions(kp: int, device=None) -> tuple[torch.Tensor, torch.Tensor, tor
     return nib_byte, nib_shift, hi_byte, hi_shift
 
 
-def pack_q6(q: torch.Tensor) -> torch.Tensor:
-    """(rows, Kp) codes 0..63 -> (rows, Kp * 3 // 4) bytes in the q6 layout."""
+def pack_q6_reference(q: torch.Tensor) -> torch.Tensor:
+    """Slow, obvious `pack_q6`: every value scattered to its byte positions (int64 temporaries
+    of ~30 bytes per value; tests only)."""
     rows, kp = q.shape
     nb_, ns, hb, hs = _q6_positions(kp, q.device)
     q = q.to(torch.int64)
@@ -155,12 +156,73 @@ def pack_q6(q: torch.Tensor) -> torch.Tensor:
     return out.to(torch.uint8)
 
 
-def unpack_q6(qs: torch.Tensor) -> torch.Tensor:
-    """(rows, Kp * 3 // 4) bytes -> (rows, Kp) codes 0..63 (inverse of `pack_q6`)."""
+def unpack_q6_reference(qs: torch.Tensor) -> torch.Tensor:
+    """Slow, obvious `unpack_q6` (tests only)."""
     rows, nbytes = qs.shape
     nb_, ns, hb, hs = _q6_positions(nbytes * 4 // 3, qs.device)
     b = qs.to(torch.int64)
     return (((b[:, nb_] >> ns) & 15) | (((b[:, hb] >> hs) & 3) << 4)).to(torch.uint8)
+
+
+# Rows per slice in pack_q6 / unpack_q6: bounds their uint8 temporaries to a few times the
+# slice (loading Qwen2.5-1.5B's 151936 x 1536 q6 head with whole-tensor int64 temporaries
+# peaked at ~9.5 GB and took ~20 s).
+_Q6_SLICE_ROWS = 8192
+
+
+def pack_q6(q: torch.Tensor) -> torch.Tensor:
+    """(rows, Kp) codes 0..63 -> (rows, Kp * 3 // 4) bytes in the q6 layout (see the module doc;
+    `pack_q6_reference` is the same by scattering)."""
+    rows, kp = q.shape
+    nb = kp // BLOCK
+    ng, tail = nb // 4, nb % 4
+    out = torch.empty(rows, kp * 3 // 4, dtype=torch.uint8, device=q.device)
+    for r0 in range(0, rows, _Q6_SLICE_ROWS):
+        qq = q[r0:r0 + _Q6_SLICE_ROWS].to(torch.uint8)
+        n = qq.shape[0]
+        if ng:
+            # group of 4 blocks: (block i, half h, l) = value 32 i + 16 h + l
+            g = qq[:, : ng * 128].reshape(n, ng, 4, 2, 16)
+            nib = (g[:, :, :, 0] & 15) | ((g[:, :, :, 1] & 15) << 4)  # byte 16 i + l
+            h = g >> 4
+            # byte 64 + 16 m + l: blocks m and m + 2, low and high halves, at shifts 0/2/4/6
+            hb = h[:, :, 0:2, 0] | (h[:, :, 2:4, 0] << 2) | (h[:, :, 0:2, 1] << 4) | (h[:, :, 2:4, 1] << 6)
+            out[r0:r0 + n, : ng * 96] = torch.cat([nib.reshape(n, ng, 64), hb.reshape(n, ng, 32)], dim=2).reshape(n, -1)
+        if tail:
+            t = qq[:, ng * 128:].reshape(n, tail, 32)
+            nib = (t[:, :, :16] & 15) | ((t[:, :, 16:] & 15) << 4)  # byte l
+            h = (t >> 4).reshape(n, tail, 4, 8)  # value 8 s + k -> byte 16 + k, shift 2 s
+            hb = h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)
+            out[r0:r0 + n, ng * 96:] = torch.cat([nib, hb], dim=2).reshape(n, -1)
+    return out
+
+
+def unpack_q6(qs: torch.Tensor) -> torch.Tensor:
+    """(rows, Kp * 3 // 4) bytes -> (rows, Kp) codes 0..63 (inverse of `pack_q6`)."""
+    rows, nbytes = qs.shape
+    kp = nbytes * 4 // 3
+    nb = kp // BLOCK
+    ng, tail = nb // 4, nb % 4
+    out = torch.empty(rows, kp, dtype=torch.uint8, device=qs.device)
+    sh = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device)
+    for r0 in range(0, rows, _Q6_SLICE_ROWS):
+        b = qs[r0:r0 + _Q6_SLICE_ROWS]
+        n = b.shape[0]
+        if ng:
+            g = b[:, : ng * 96].reshape(n, ng, 96)
+            nib = g[:, :, :64].reshape(n, ng, 4, 16)
+            hb = g[:, :, 64:].reshape(n, ng, 1, 2, 16) >> sh.view(1, 1, 4, 1, 1)  # shift s: (i // 2, half) = (s % 2, s // 2)
+            hb = (hb & 3).reshape(n, ng, 2, 2, 2, 16)  # (half, i // 2, i % 2, l)
+            lo = (nib & 15) | (hb[:, :, 0].reshape(n, ng, 4, 16) << 4)
+            hi = (nib >> 4) | (hb[:, :, 1].reshape(n, ng, 4, 16) << 4)
+            out[r0:r0 + n, : ng * 128] = torch.stack([lo, hi], dim=3).reshape(n, -1)
+        if tail:
+            t = b[:, ng * 96:].reshape(n, tail, 24)
+            nib = t[:, :, :16]
+            hb = ((t[:, :, 16:].unsqueeze(2) >> sh.view(1, 1, 4, 1)) & 3).reshape(n, tail, 32)  # value 8 s + k
+            v = torch.cat([nib & 15, nib >> 4], dim=2) | (hb << 4)
+            out[r0:r0 + n, ng * 96 * 4 // 3:] = v.reshape(n, -1)
+    return out
 
 
 def dequantize(w: QWeight) -> torch.Tensor:

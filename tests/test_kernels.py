@@ -337,15 +337,32 @@ def test_q6_layout_round_trip_and_kernel_view():
     and scales where quant.py put them (the emulation decodes through unpack_q6)."""
     from sparseinfer.quant import pack_q6, unpack_q6
 
+    from sparseinfer.quant import pack_q6_reference, unpack_q6_reference
+
     g = torch.Generator().manual_seed(11)
     for kp in (32, 64, 96, 128, 160, 224, 256, 4096 + 96):
         q = torch.randint(0, 64, (3, kp), generator=g, dtype=torch.uint8)
-        assert torch.equal(unpack_q6(pack_q6(q)), q)
+        packed = pack_q6(q)
+        assert torch.equal(packed, pack_q6_reference(q))  # the sliced vector packing vs scattering
+        assert torch.equal(unpack_q6(packed), q)
+        assert torch.equal(unpack_q6_reference(packed), q)
         d = (torch.rand(3, kp // 16, generator=g) * 0.1).to(torch.float16)
         w = QWeight("q6", 3, kp, pack_q6(q), d, None)
         exp = ((q.float() - 32).view(3, -1, 16) * d.float()[..., None]).view(3, kp)
         assert torch.equal(w.dequantize(), exp)
         assert torch.equal(cpu.dequantize_rows(w, 0, 3), exp)
+
+
+def test_q6_packing_in_slices(monkeypatch):
+    """More rows than one slice of pack_q6/unpack_q6: same bytes as the reference."""
+    import sparseinfer.quant as quant
+
+    monkeypatch.setattr(quant, "_Q6_SLICE_ROWS", 5)
+    g = torch.Generator().manual_seed(12)
+    for rows, kp in ((13, 96), (11, 256 + 32), (5, 128)):
+        q = torch.randint(0, 64, (rows, kp), generator=g, dtype=torch.uint8)
+        assert torch.equal(quant.pack_q6(q), quant.pack_q6_reference(q))
+        assert torch.equal(quant.unpack_q6(quant.pack_q6(q)), q)
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8m", "bf16"])
