@@ -105,6 +105,32 @@ class GGUFSource(WeightSource):
         self.config = ModelConfig.from_dict(hf_dict_from_gguf(self.metadata))
         self.family = self.config.family
         self._tensors = {t.name: t for t in self.reader.tensors}
+        self._pool = None
+        self._futures: dict = {}
+
+    def prefetch(self, workers: int | None = None) -> None:
+        """Start converting every matrix of the file on worker threads (numpy and torch release
+        the GIL in the conversions), so `qweight` finds most of them done: Qwen2.5-1.5B
+        Q4_K_M loads in about half the time on 2 cores.  `end_prefetch` drops whatever the
+        model builder did not ask for."""
+        if self._pool is not None:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = workers or min(4, os.cpu_count() or 1)
+        if workers < 2:
+            return
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sparseinfer-load")
+        self._futures = {t.name: self._pool.submit(gguf_io.tensor_to_qweight, t)
+                         for t in self.reader.tensors if len(t.shape) >= 2}
+
+    def end_prefetch(self) -> None:
+        if self._pool is None:
+            return
+        for f in self._futures.values():
+            f.cancel()
+        self._pool.shutdown(wait=True)
+        self._pool, self._futures = None, {}
 
     def _find(self, name: str):
         gname = hf_to_gguf_name(self.family, name)
@@ -134,7 +160,8 @@ class GGUFSource(WeightSource):
 
     def qweight(self, name: str) -> QWeight:
         t = self._get(name)
-        w = gguf_io.tensor_to_qweight(t)
+        fut = self._futures.pop(t.name, None)
+        w = fut.result() if fut is not None else gguf_io.tensor_to_qweight(t)
         heads = self._unpermute(name)
         if heads:
             w = w.select_rows(llama_qk_unpermute_index(w.rows, heads))

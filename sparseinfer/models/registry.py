@@ -9,4 +9,12 @@ BUILDERS = {"llama": llama.build, "falcon": falcon.build, "opt": opt.build}
 
 
 def build_model(src: WeightSource) -> CausalLM:
-    return BUILDERS[src.config.family](src)
+    prefetch = getattr(src, "prefetch", None)  # GGUF: convert matrices on worker threads
+    if prefetch is not None:
+        prefetch()
+    try:
+        return BUILDERS[src.config.family](src)
+    finally:
+        end = getattr(src, "end_prefetch", None)
+        if end is not None:
+            end()
