@@ -135,6 +135,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq)
     _release_freed_memory()
+    _keep_freed_temporaries()
     return llm
 
 
@@ -151,6 +152,27 @@ def _release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
             pass
+
+
+def _keep_freed_temporaries() -> None:
+    """After loading (glibc): serve allocations under 64 MB from the heap and let up to 128 MB
+    of freed heap stay mapped.  A prefill makes and frees tens of MB of activations per layer;
+    with glibc's defaults each was a fresh mmap whose pages faulted in again.  Qwen2.5-1.5B,
+    2 threads, 512-token prompt, alternated 3 times: 179-203 -> 208-212 tok/s, peak RSS
+    unchanged (3.2 GB).  $MALLOC_MMAP_THRESHOLD_ / $MALLOC_TRIM_THRESHOLD_, when set, win."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ \
+            or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def set_threads(n: int) -> None:
