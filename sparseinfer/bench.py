@@ -53,8 +53,8 @@ def run_bench(a) -> int:
            "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
            "bytes_per_token": int(best["bytes_per_token"]),
            "predictor_time_fraction": round(best["predictor_time_fraction"], 4),
-           "act_mode": cpu.activation_mode()}
-    print(f"model: {llm.info.path}\nthreads: {threads}, activations: {rec['act_mode']}\nmode: {rec['mode']} (density {rec['density']:.3f}, "
+           "act_mode": cpu.activation_mode(), "kernels": cpu.simd_level()}
+    print(f"model: {llm.info.path}\nthreads: {threads}, kernels: {rec['kernels']}, activations: {rec['act_mode']}\nmode: {rec['mode']} (density {rec['density']:.3f}, "
           f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
           f"prompt ({a.n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
           f"decode ({a.n_gen} tokens):  {rec['decode_tps']:.1f} tok/s, {rec['bytes_per_token'] / 2**20:.1f} MiB/token, "
