@@ -134,44 +134,33 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     with torch.inference_mode():
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq)
-    _release_freed_memory()
-    _keep_freed_temporaries()
+    _settle_heap()
     return llm
 
 
-def _release_freed_memory() -> None:
-    """Hand the C heap's free pages back to the OS.  Loading makes and drops many weight-sized
-    temporaries (repacking, permuted copies, neuron records); glibc keeps freed blocks under
-    its (growing) mmap threshold in the heap, which left ~500 MB of a sparse Qwen2.5-1.5B
-    load resident (3.54 -> 3.04 GB after the trim; dense 2.72 -> 2.63).  No-op elsewhere."""
+def _settle_heap() -> None:
+    """After loading (glibc; no-op elsewhere):
+    - hand the heap's free pages back to the OS: loading makes and drops many weight-sized
+      temporaries (repacking, permuted copies, neuron records), which left ~500 MB of a sparse
+      Qwen2.5-1.5B load resident (3.54 -> 3.04 GB after the trim; dense 2.72 -> 2.63);
+    - then serve allocations under 64 MB from the heap and let up to 128 MB of freed heap stay
+      mapped: a prefill makes and frees tens of MB of activations per layer, and with glibc's
+      defaults each was a fresh mmap whose pages faulted in again (Qwen2.5-1.5B, 2 threads,
+      512-token prompt, alternated: 179-203 -> 208-212 tok/s, peak RSS unchanged).
+      $MALLOC_MMAP_THRESHOLD_ / $MALLOC_TRIM_THRESHOLD_, when set, win."""
     import ctypes
     import sys
 
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-            pass
-
-
-def _keep_freed_temporaries() -> None:
-    """After loading (glibc): serve allocations under 64 MB from the heap and let up to 128 MB
-    of freed heap stay mapped.  A prefill makes and frees tens of MB of activations per layer;
-    with glibc's defaults each was a fresh mmap whose pages faulted in again.  Qwen2.5-1.5B,
-    2 threads, 512-token prompt, alternated 3 times: 179-203 -> 208-212 tok/s, peak RSS
-    unchanged (3.2 GB).  $MALLOC_MMAP_THRESHOLD_ / $MALLOC_TRIM_THRESHOLD_, when set, win."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ \
-            or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+    if not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
-        libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
-    except (OSError, AttributeError):  # not glibc
+        libc.malloc_trim(0)
+        if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+            M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+            libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
+            libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         pass
 
 

@@ -155,10 +155,8 @@ static void pack_weights(const qmat_t *w, const int64_t *rr, int64_t b0, int64_t
         for (int64_t b = 0; b < kb; b += 16) {
             const __mmask16 mk = (__mmask16)(kb - b >= 16 ? 0xFFFF : (1u << (kb - b)) - 1);
             _mm512_mask_i32scatter_ps(dw + b * 16 + r, mk, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, d + b)), 4);
-            if (mw) {
-                __m512 mv = m ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, m + b)) : _mm512_setzero_ps();
-                _mm512_mask_i32scatter_ps(mw + b * 16 + r, mk, idx, mv, 4);
-            }
+            if (mw) /* only with mins */
+                _mm512_mask_i32scatter_ps(mw + b * 16 + r, mk, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, m + b)), 4);
         }
     }
 }

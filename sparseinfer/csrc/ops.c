@@ -331,7 +331,6 @@ static void dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x
         a.T = T << xq.pair;
         /* keep a token chunk of quantized activations within ~256 KB (L2) */
         a.tchunk = up(262144 / xq.q_stride, 4);
-        xq.tiles = NULL;
         if (k->pack_tokens && T >= 16 && !xq.pair) {
             /* the tile kernels take every token at once (they block over K themselves) */
             const int64_t nb = w->kp / 32;

@@ -9,12 +9,8 @@ BUILDERS = {"llama": llama.build, "falcon": falcon.build, "opt": opt.build}
 
 
 def build_model(src: WeightSource) -> CausalLM:
-    prefetch = getattr(src, "prefetch", None)  # GGUF: convert matrices on worker threads
-    if prefetch is not None:
-        prefetch()
+    src.prefetch()  # GGUF: matrices converted on worker threads while the builder runs
     try:
         return BUILDERS[src.config.family](src)
     finally:
-        end = getattr(src, "end_prefetch", None)
-        if end is not None:
-            end()
+        src.end_prefetch()
