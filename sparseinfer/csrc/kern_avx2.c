@@ -499,6 +499,56 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             }
         }
     }
+    if (fmt == FMT_Q4 && (c1 - c0) % 32 == 0) {
+        /* q4 likewise, two rows per pass over y (row j's fma, then row j + 1's, per element;
+         * their mins in the same order per block) */
+        const __m256i m4 = _mm256_set1_epi32(0x0F);
+        for (; j + 2 <= n; j += 2) {
+            const char *pa = NULL, *pb = NULL;
+            if (j + 1 + PF_ROWS < n) {
+                const int64_t ra = rows[j + PF_ROWS], rb = rows[j + 1 + PF_ROWS];
+                pa = (const char *)(wt->qs + ra * wt->row_bytes) + (s0 & ~(int64_t)63);
+                pb = (const char *)(wt->qs + rb * wt->row_bytes) + (s0 & ~(int64_t)63);
+                const char *da = (const char *)(wt->d + ra * wt->ds), *db = (const char *)(wt->d + rb * wt->ds);
+                const char *ma = wt->m ? (const char *)(wt->m + ra * wt->ds) : NULL;
+                const char *mb = wt->m ? (const char *)(wt->m + rb * wt->ds) : NULL;
+                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
+                    _mm_prefetch(da + o, _MM_HINT_T1);
+                    _mm_prefetch(db + o, _MM_HINT_T1);
+                    if (ma) {
+                        _mm_prefetch(ma + o, _MM_HINT_T1);
+                        _mm_prefetch(mb + o, _MM_HINT_T1);
+                    }
+                }
+            }
+            const uint8_t *w0 = wt->qs + rows[j] * wt->row_bytes + 16 * b0;
+            const uint8_t *w1 = wt->qs + rows[j + 1] * wt->row_bytes + 16 * b0;
+            const uint16_t *d0 = wt->d + rows[j] * wt->ds + b0, *d1 = wt->d + rows[j + 1] * wt->ds + b0;
+            const float h0 = h[j], h1 = h[j + 1];
+            if (wt->m) {
+                const uint16_t *m0 = wt->m + rows[j] * wt->ds + b0, *m1 = wt->m + rows[j + 1] * wt->ds + b0;
+                for (int64_t b = 0; b < nbc; b++) ym[b] = fmaf(h1, _cvtsh_ss(m1[b]), fmaf(h0, _cvtsh_ss(m0[b]), ym[b]));
+            }
+            for (int64_t b = 0; b < nbc; b++) {
+                const __m256 sa = _mm256_set1_ps(h0 * _cvtsh_ss(d0[b])), sb = _mm256_set1_ps(h1 * _cvtsh_ss(d1[b]));
+                float *yb = y + c0 + 32 * b;
+                if (pa && !(b & 3)) {
+                    _mm_prefetch(pa + 16 * b, _MM_HINT_T1);
+                    _mm_prefetch(pb + 16 * b, _MM_HINT_T1);
+                }
+                const __m256i a0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 16 * b)));
+                const __m256i a1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 16 * b + 8)));
+                const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 16 * b)));
+                const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 16 * b + 8)));
+                const __m256i va[4] = {_mm256_and_si256(a0, m4), _mm256_and_si256(a1, m4), _mm256_srli_epi32(a0, 4), _mm256_srli_epi32(a1, 4)};
+                const __m256i vb[4] = {_mm256_and_si256(e0, m4), _mm256_and_si256(e1, m4), _mm256_srli_epi32(e0, 4), _mm256_srli_epi32(e1, 4)};
+                for (int i = 0; i < 4; i++) {
+                    __m256 yv = _mm256_fmadd_ps(sa, _mm256_cvtepi32_ps(va[i]), _mm256_loadu_ps(yb + 8 * i));
+                    _mm256_storeu_ps(yb + 8 * i, _mm256_fmadd_ps(sb, _mm256_cvtepi32_ps(vb[i]), yv));
+                }
+            }
+        }
+    }
     for (; j < n; j++) {
         const int64_t row = rows[j];
         const uint8_t *wp = wt->qs + row * wt->row_bytes;
