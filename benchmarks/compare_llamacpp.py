@@ -34,7 +34,12 @@ def bench_llamacpp(path: str, threads: int, n_prompt: int, n_gen: int) -> dict:
     for tok in rng.integers(100, llm.n_vocab() - 100, n_gen).tolist():
         llm.eval([tok])
     t2 = time.perf_counter()
-    return {"engine": "llama.cpp", "prompt_tps": n_prompt / (t1 - t0), "decode_tps": n_gen / (t2 - t1)}
+    import llama_cpp
+
+    # which SIMD paths this llama.cpp build uses (e.g. "AVX2 = 1 | AVX512 = 1 | ...")
+    info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+    return {"engine": "llama.cpp", "prompt_tps": n_prompt / (t1 - t0), "decode_tps": n_gen / (t2 - t1),
+            "version": llama_cpp.__version__, "system_info": info}
 
 
 def bench_ours(model: str, threads: int, n_prompt: int, n_gen: int, extra: list[str]) -> dict:
