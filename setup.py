@@ -21,6 +21,7 @@ SOURCES = [
     "sparseinfer/csrc/kern_avx512.c",
     "sparseinfer/csrc/kern_avx512vnni.c",
     "sparseinfer/csrc/kern_amx.c",
+    "sparseinfer/csrc/repack.c",
 ]
 
 compile_args = [] if sys.platform == "win32" else ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]

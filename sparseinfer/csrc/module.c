@@ -496,6 +496,33 @@ static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* repack_q4_k(src, nsuper, qs, d, m) / repack_q6_k(src, nsuper, qs, d): see repack.c */
+static PyObject *py_repack_q4_k(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *src, *qs, *d, *m;
+    int64_t ns;
+    if (!nargs_ok(na, 5, "repack_q4_k") || get_ptr(a[0], &src) || get_i64(a[1], &ns) || get_ptr(a[2], &qs) ||
+        get_ptr(a[3], &d) || get_ptr(a[4], &m))
+        return NULL;
+    if (ns < 0 || (ns > 0 && (!src || !qs || !d || !m))) return PyErr_Format(PyExc_ValueError, "repack_q4_k: bad arguments");
+    Py_BEGIN_ALLOW_THREADS
+    si_repack_q4_k(src, ns, qs, d, m);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_repack_q6_k(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *src, *qs, *d;
+    int64_t ns;
+    if (!nargs_ok(na, 4, "repack_q6_k") || get_ptr(a[0], &src) || get_i64(a[1], &ns) || get_ptr(a[2], &qs) ||
+        get_ptr(a[3], &d))
+        return NULL;
+    if (ns < 0 || (ns > 0 && (!src || !qs || !d))) return PyErr_Format(PyExc_ValueError, "repack_q6_k: bad arguments");
+    Py_BEGIN_ALLOW_THREADS
+    si_repack_q6_k(src, ns, qs, d);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
@@ -516,6 +543,8 @@ static PyMethodDef methods[] = {
     {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*8, k*8, v*8, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*8, o_bias, scale)"},
     {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*8, up*8, F, down*8)"},
     {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*8, first_bias, second*8, second_bias, down_t*8, down*8, order, down_bias, w1*8, b1, w2t*8, cut, topk, threshold, crossover, up_crossover, counters)"},
+    {"repack_q4_k", (PyCFunction)(void (*)(void))py_repack_q4_k, METH_FASTCALL, "repack_q4_k(src, nsuper, qs, d, m)"},
+    {"repack_q6_k", (PyCFunction)(void (*)(void))py_repack_q6_k, METH_FASTCALL, "repack_q6_k(src, nsuper, qs, d)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads()"},

@@ -31,6 +31,9 @@ void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, 
                     float thr, const int64_t *order, float *out);
 const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const qmat_t *down_t);
 void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, float *s);
+/* GGUF Q4_K / Q6_K super-blocks -> our q4 / q6 layouts with float32 scales (repack.c) */
+void si_repack_q4_k(const uint8_t *src, int64_t nsuper, uint8_t *qs, float *d, float *m);
+void si_repack_q6_k(const uint8_t *src, int64_t nsuper, uint8_t *qs, float *d);
 void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);
 void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
                 int64_t L, int64_t kstride, int64_t vstride, float scale);

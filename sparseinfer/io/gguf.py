@@ -112,13 +112,34 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: implausible string length {n}; damaged file")
         return bytes(self._take(n)).decode("utf-8", errors="replace")
 
+    def _strings(self, n: int) -> list[str]:
+        """n strings in a row (vocabularies, merges: ~150k each): one tight loop, same checks
+        as `_string` (3x faster than calling it per string)."""
+        buf, pos, end = self._buf, self._pos, len(self._buf)
+        unpack = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(n):
+            if pos + 8 > end:
+                raise ModelFormatError(f"{self.path}: truncated GGUF header; re-download the file")
+            k = unpack(buf, pos)[0]
+            pos += 8
+            if k > 1 << 30:
+                raise ModelFormatError(f"{self.path}: implausible string length {k}; damaged file")
+            if pos + k > end:
+                raise ModelFormatError(f"{self.path}: truncated GGUF header; re-download the file")
+            append(str(buf[pos:pos + k], "utf-8", "replace"))
+            pos += k
+        self._pos = pos
+        return out
+
     def _value(self, t: int):
         if t == _STRING:
             return self._string()
         if t == _ARRAY:
             it, n = self._scalar(4), self._scalar(10)
             if it == _STRING:
-                return [self._string() for _ in range(n)]
+                return self._strings(n)
             if it in _NP_SCALARS:
                 dt = np.dtype(_NP_SCALARS[it])
                 return np.frombuffer(self._take(n * dt.itemsize), dtype=dt).tolist()
@@ -270,6 +291,36 @@ _REQUANT_Q8 = ("Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = ("F32", "F16", "BF16") + tuple(_BLOCK_CONVERTERS) + _REQUANT_Q8
 
 
+_C_REPACK = ("Q4_K", "Q6_K")
+
+
+def _repack_c(tname: str, raw: np.ndarray, rows: int, cols: int):
+    """Q4_K / Q6_K -> QWeight with the compiled repack (sparseinfer/csrc/repack.c): the same
+    bytes and scales as `_q4_k` / `_q6_k` + `pack_q6` (tests compare them), ~10-50x faster.
+    None when the extension is not built (the numpy converters then do it)."""
+    import torch
+
+    from ..kernels import cpu
+    from ..quant import QWeight
+
+    lib = cpu._cpu
+    if lib is None or raw.dtype != np.uint8 or raw.shape[-1] != {"Q4_K": 144, "Q6_K": 210}[tname]:
+        return None
+    src = np.ascontiguousarray(raw)
+    nsuper = rows * (cols // 256)
+    if tname == "Q4_K":
+        qs = torch.empty(rows, cols // 2, dtype=torch.uint8)
+        d = torch.empty(rows, cols // 32, dtype=torch.float32)
+        m = torch.empty(rows, cols // 32, dtype=torch.float32)
+        lib.repack_q4_k(src.ctypes.data, nsuper, qs.data_ptr(), d.data_ptr(), m.data_ptr())
+        # f32 -> f16 rounds to nearest even, as numpy's astype in the reference converters
+        return QWeight("q4", rows, cols, qs, d.to(torch.float16), m.to(torch.float16))
+    qs = torch.empty(rows, cols * 3 // 4, dtype=torch.uint8)
+    d = torch.empty(rows, cols // 16, dtype=torch.float32)
+    lib.repack_q6_k(src.ctypes.data, nsuper, qs.data_ptr(), d.data_ptr())
+    return QWeight("q6", rows, cols, qs, d.to(torch.float16), None)
+
+
 def tensor_to_qweight(t, keep_float: str | None = None):
     """A 2-D GGUF tensor (ReaderTensor) -> QWeight, without expanding quantized data to floats.
 
@@ -294,11 +345,24 @@ def tensor_to_qweight(t, keep_float: str | None = None):
         return from_float(torch.from_numpy(w), "q8")
     if tname not in _BLOCK_CONVERTERS:
         raise UnsupportedTensorType(t.name, tname)
-    block, conv = _BLOCK_CONVERTERS[tname]
+    block = _BLOCK_CONVERTERS[tname][0]
     if cols % block:
         raise ModelFormatError(f"tensor {t.name!r}: {cols} columns is not a multiple of the {tname} block size {block}")
     raw = np.asarray(t.data).reshape(rows, cols // block, -1)
-    fmt, qs, d, m = conv(raw)
+    if tname in _C_REPACK:
+        fast = _repack_c(tname, raw, rows, cols)
+        if fast is not None:
+            return fast
+    return _repack_numpy(tname, raw, rows, cols)
+
+
+def _repack_numpy(tname: str, raw: np.ndarray, rows: int, cols: int):
+    """Raw (rows, blocks, block bytes) of a block type -> QWeight with the numpy converters."""
+    import torch
+
+    from ..quant import QWeight
+
+    fmt, qs, d, m = _BLOCK_CONVERTERS[tname][1](raw)
     nb = cols // 32
     if fmt == "q6":  # codes in value order -> the q6 byte layout; one scale per 16 values
         from ..quant import pack_q6
