@@ -109,23 +109,31 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     from .io.tokenizer import Tokenizer
 
     _check_act_mode(act_mode)  # before the load, which can take a while
-    set_threads(threads or os.cpu_count() or 1)
+    n_threads = threads or os.cpu_count() or 1
+    set_threads(n_threads)
     t0 = time.perf_counter()
     p = catalog.resolve(None if path is None else str(path))
     src = open_source(p)
-    with torch.inference_mode():
-        model = build_model(src)
-    set_act_mode(act_mode, model)
-    if hasattr(src, "metadata"):
-        tok = Tokenizer.from_gguf_metadata(src.metadata)
-    else:
-        tok = Tokenizer.from_folder(src.path)
-    pack = None
-    if not dense or density is not None:
-        from .sparse.apply import apply_sparsity
-
+    # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
+    # run on every thread; decode then keeps torch at one (see `set_threads`)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    try:
         with torch.inference_mode():
-            pack = apply_sparsity(model, p, src, None if dense else sparse, density)
+            model = build_model(src)
+        set_act_mode(act_mode, model)
+        if hasattr(src, "metadata"):
+            tok = Tokenizer.from_gguf_metadata(src.metadata)
+        else:
+            tok = Tokenizer.from_folder(src.path)
+        pack = None
+        if not dense or density is not None:
+            from .sparse.apply import apply_sparsity
+
+            with torch.inference_mode():
+                pack = apply_sparsity(model, p, src, None if dense else sparse, density)
+    finally:
+        torch.set_num_threads(torch_threads)
     info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
     llm = LLM(model, tok, src, ctx_size, info)
     llm.sparsity = pack  # the SparsityPack in use, or None

@@ -517,3 +517,22 @@ def test_build_pack_tiny(tmp_path):
         assert 0.9 <= lp.stats["recall"] <= 1.0
     assert set(pack.info["eval"]) >= {"ppl_dense", "ppl_threshold", "ppl_sparse"}
     restore(model, replace_ffns(model, lambda i, m: m))  # a no-op swap keeps the model intact
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q6", "f16"])
+def test_transpose_neuron_major_equals_whole_matrix_requantization(fmt):
+    """The load-time neuron-major copy of `down` (compiled dequantization, sliced
+    re-quantization) equals the obvious whole-matrix version bit for bit, with more neurons
+    than one slice."""
+    from sparseinfer.sparse.ffn import transpose_neuron_major
+
+    g = torch.Generator().manual_seed(3)
+    down = from_float(torch.randn(96, 2500, generator=g) * 0.05, fmt)
+    order = torch.randperm(2500, generator=g)
+    fast = transpose_neuron_major(down, order)
+    slow = from_float(down.dequantize().T.index_select(0, order).contiguous(), fmt if fmt == "f16" else "q8")
+    assert fast.fmt == slow.fmt and fast.shape == slow.shape
+    assert torch.equal(fast.qs, slow.qs)
+    assert (fast.d is None) == (slow.d is None)
+    if slow.d is not None:
+        assert torch.equal(fast.d.view(torch.int16), slow.d.view(torch.int16))

