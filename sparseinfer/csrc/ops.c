@@ -596,6 +596,11 @@ void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, 
 #ifndef REC_FLUSH
 #define REC_FLUSH 256
 #endif
+/* ... and before the kept records pass this many bytes, so that their down rows are still in
+ * a 512 KB L2 when summed (wide records: 11008x4096 q4 flushes every block) */
+#ifndef REC_FLUSH_BYTES
+#define REC_FLUSH_BYTES (384 << 10)
+#endif
 #ifndef REC_ROWS_PER_PART
 #define REC_ROWS_PER_PART 64
 #endif
@@ -688,7 +693,7 @@ static void rec_task(void *p, int64_t c) {
             h[q] = hb[i];
             q += hb[i] != 0.0f;
         }
-        if (q > REC_FLUSH - REC_BLOCK) {
+        if (q > REC_FLUSH - REC_BLOCK || q * a->rec_bytes > REC_FLUSH_BYTES) {
             rec_flush(a, h, kr, q, tmp, yp);
             q = 0;
         }
