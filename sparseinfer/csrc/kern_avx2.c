@@ -450,8 +450,33 @@ static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
 
 /* ------------------------------------------------------------------------------ axpy */
 
-/* Processes one row at a time over the column chunk [c0, c1): y[c] += h_j * w_j[c] in row
- * order (the order, not the grouping, fixes the result). */
+/* Prefetch (T1) the block scales, and mins if any, of blocks [b0, b0 + nbc) of one row. */
+AI void axpy_prefetch_scales(const qmat_t *wt, int64_t row, int64_t b0, int64_t nbc) {
+    const char *d = (const char *)(wt->d + row * wt->ds), *m = wt->m ? (const char *)(wt->m + row * wt->ds) : NULL;
+    for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
+        _mm_prefetch(d + o, _MM_HINT_T1);
+        if (m) _mm_prefetch(m + o, _MM_HINT_T1);
+    }
+}
+
+/* The 32 codes of one q4 (16 bytes) or q8 (32 bytes) block as 4 x 8 floats, in value order. */
+AI void axpy_block_codes(const int fmt, const uint8_t *qb, __m256 v[4]) {
+    if (fmt == FMT_Q4) {
+        const __m256i m4 = _mm256_set1_epi32(0x0F);
+        __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+        __m256i bb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m4));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(bb, m4));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bb, 4));
+    } else {
+        for (int i = 0; i < 4; i++)
+            v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * i))));
+    }
+}
+
+/* y[c] += h_j * w_j[c] over the column chunk [c0, c1), strictly in row order per element
+ * (the order, not the grouping, fixes the result). */
 static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n,
                  int64_t c0, int64_t c1, float *y) {
     memset(y + c0, 0, (size_t)(c1 - c0) * sizeof(float));
@@ -462,9 +487,12 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
     /* byte range of this column chunk within a row, for prefetching rows ahead */
     const int64_t s0 = fmt == FMT_Q4 ? b0 * 16 : fmt == FMT_Q8 ? b0 * 32 : c0 * (fmt == FMT_F32 ? 4 : 2);
     int64_t j = 0;
-    if (fmt == FMT_Q8 && !wt->m && (c1 - c0) % 32 == 0) {
-        /* two rows per pass over y: half the loads and stores of y, the same sums in the
-         * same order (row j, then row j + 1, per element) */
+    if ((fmt == FMT_Q8 || fmt == FMT_Q4) && (c1 - c0) % 32 == 0) {
+        /* two rows per pass over y: half the loads and stores of y, the same sums in the same
+         * order (row j's fma, then row j + 1's, per element; their mins likewise per block);
+         * AVX2 q4 axpy_rows 8960x1536 at 1.0 / 0.1 active: 1015-1037 -> 726-734 / 148-157 ->
+         * 130-132 us */
+        const int64_t bb = fmt == FMT_Q4 ? 16 : 32; /* bytes per block */
         for (; j + 2 <= n; j += 2) {
             /* rows PF_ROWS ahead: scales now, data one line per line consumed (a burst of
              * prefetches per row stalls once the miss buffers are full) */
@@ -473,56 +501,11 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
                 const int64_t ra = rows[j + PF_ROWS], rb = rows[j + 1 + PF_ROWS];
                 pa = (const char *)(wt->qs + ra * wt->row_bytes) + (s0 & ~(int64_t)63);
                 pb = (const char *)(wt->qs + rb * wt->row_bytes) + (s0 & ~(int64_t)63);
-                const char *da = (const char *)(wt->d + ra * wt->ds), *db = (const char *)(wt->d + rb * wt->ds);
-                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
-                    _mm_prefetch(da + o, _MM_HINT_T1);
-                    _mm_prefetch(db + o, _MM_HINT_T1);
-                }
+                axpy_prefetch_scales(wt, ra, b0, nbc);
+                axpy_prefetch_scales(wt, rb, b0, nbc);
             }
-            const int8_t *w0 = (const int8_t *)(wt->qs + rows[j] * wt->row_bytes) + 32 * b0;
-            const int8_t *w1 = (const int8_t *)(wt->qs + rows[j + 1] * wt->row_bytes) + 32 * b0;
-            const uint16_t *d0 = wt->d + rows[j] * wt->ds + b0, *d1 = wt->d + rows[j + 1] * wt->ds + b0;
-            const float h0 = h[j], h1 = h[j + 1];
-            for (int64_t b = 0; b < nbc; b++) {
-                const __m256 sa = _mm256_set1_ps(h0 * _cvtsh_ss(d0[b])), sb = _mm256_set1_ps(h1 * _cvtsh_ss(d1[b]));
-                float *yb = y + c0 + 32 * b;
-                if (pa && !(b & 1)) {
-                    _mm_prefetch(pa + 32 * b, _MM_HINT_T1);
-                    _mm_prefetch(pb + 32 * b, _MM_HINT_T1);
-                }
-                for (int i = 0; i < 4; i++) {
-                    __m256 va = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 32 * b + 8 * i))));
-                    __m256 vb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 32 * b + 8 * i))));
-                    __m256 yv = _mm256_fmadd_ps(sa, va, _mm256_loadu_ps(yb + 8 * i));
-                    _mm256_storeu_ps(yb + 8 * i, _mm256_fmadd_ps(sb, vb, yv));
-                }
-            }
-        }
-    }
-    if (fmt == FMT_Q4 && (c1 - c0) % 32 == 0) {
-        /* q4 likewise, two rows per pass over y (row j's fma, then row j + 1's, per element;
-         * their mins in the same order per block) */
-        const __m256i m4 = _mm256_set1_epi32(0x0F);
-        for (; j + 2 <= n; j += 2) {
-            const char *pa = NULL, *pb = NULL;
-            if (j + 1 + PF_ROWS < n) {
-                const int64_t ra = rows[j + PF_ROWS], rb = rows[j + 1 + PF_ROWS];
-                pa = (const char *)(wt->qs + ra * wt->row_bytes) + (s0 & ~(int64_t)63);
-                pb = (const char *)(wt->qs + rb * wt->row_bytes) + (s0 & ~(int64_t)63);
-                const char *da = (const char *)(wt->d + ra * wt->ds), *db = (const char *)(wt->d + rb * wt->ds);
-                const char *ma = wt->m ? (const char *)(wt->m + ra * wt->ds) : NULL;
-                const char *mb = wt->m ? (const char *)(wt->m + rb * wt->ds) : NULL;
-                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
-                    _mm_prefetch(da + o, _MM_HINT_T1);
-                    _mm_prefetch(db + o, _MM_HINT_T1);
-                    if (ma) {
-                        _mm_prefetch(ma + o, _MM_HINT_T1);
-                        _mm_prefetch(mb + o, _MM_HINT_T1);
-                    }
-                }
-            }
-            const uint8_t *w0 = wt->qs + rows[j] * wt->row_bytes + 16 * b0;
-            const uint8_t *w1 = wt->qs + rows[j + 1] * wt->row_bytes + 16 * b0;
+            const uint8_t *w0 = wt->qs + rows[j] * wt->row_bytes + bb * b0;
+            const uint8_t *w1 = wt->qs + rows[j + 1] * wt->row_bytes + bb * b0;
             const uint16_t *d0 = wt->d + rows[j] * wt->ds + b0, *d1 = wt->d + rows[j + 1] * wt->ds + b0;
             const float h0 = h[j], h1 = h[j + 1];
             if (wt->m) {
@@ -532,19 +515,16 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             for (int64_t b = 0; b < nbc; b++) {
                 const __m256 sa = _mm256_set1_ps(h0 * _cvtsh_ss(d0[b])), sb = _mm256_set1_ps(h1 * _cvtsh_ss(d1[b]));
                 float *yb = y + c0 + 32 * b;
-                if (pa && !(b & 3)) {
-                    _mm_prefetch(pa + 16 * b, _MM_HINT_T1);
-                    _mm_prefetch(pb + 16 * b, _MM_HINT_T1);
+                if (pa && !((bb * b) & 63)) {
+                    _mm_prefetch(pa + bb * b, _MM_HINT_T1);
+                    _mm_prefetch(pb + bb * b, _MM_HINT_T1);
                 }
-                const __m256i a0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 16 * b)));
-                const __m256i a1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 16 * b + 8)));
-                const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 16 * b)));
-                const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 16 * b + 8)));
-                const __m256i va[4] = {_mm256_and_si256(a0, m4), _mm256_and_si256(a1, m4), _mm256_srli_epi32(a0, 4), _mm256_srli_epi32(a1, 4)};
-                const __m256i vb[4] = {_mm256_and_si256(e0, m4), _mm256_and_si256(e1, m4), _mm256_srli_epi32(e0, 4), _mm256_srli_epi32(e1, 4)};
+                __m256 va[4], vb[4];
+                axpy_block_codes(fmt, w0 + bb * b, va);
+                axpy_block_codes(fmt, w1 + bb * b, vb);
                 for (int i = 0; i < 4; i++) {
-                    __m256 yv = _mm256_fmadd_ps(sa, _mm256_cvtepi32_ps(va[i]), _mm256_loadu_ps(yb + 8 * i));
-                    _mm256_storeu_ps(yb + 8 * i, _mm256_fmadd_ps(sb, _mm256_cvtepi32_ps(vb[i]), yv));
+                    __m256 yv = _mm256_fmadd_ps(sa, va[i], _mm256_loadu_ps(yb + 8 * i));
+                    _mm256_storeu_ps(yb + 8 * i, _mm256_fmadd_ps(sb, vb[i], yv));
                 }
             }
         }
@@ -558,13 +538,7 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
         if (j + PF_ROWS < n) {
             const int64_t rp = rows[j + PF_ROWS];
             pf = (const char *)(wt->qs + rp * wt->row_bytes) + (s0 & ~(int64_t)63);
-            if (wt->d) {
-                const char *d = (const char *)(wt->d + rp * wt->ds), *m = wt->m ? (const char *)(wt->m + rp * wt->ds) : NULL;
-                for (int64_t o = (2 * b0) & ~(int64_t)63; o < 2 * (b0 + nbc); o += 64) {
-                    _mm_prefetch(d + o, _MM_HINT_T1);
-                    if (m) _mm_prefetch(m + o, _MM_HINT_T1);
-                }
-            }
+            if (wt->d) axpy_prefetch_scales(wt, rp, b0, nbc);
         }
         const __m256 hv = _mm256_set1_ps(hj);
         if (fmt <= FMT_BF16) {
@@ -584,23 +558,10 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             const int64_t c = (b0 + b) * 32;
             const __m256 s = _mm256_set1_ps(hj * _cvtsh_ss(dp[b]));
             if (mp) ym[b] = fmaf(hj, _cvtsh_ss(mp[b]), ym[b]);
+            const int64_t bb = fmt == FMT_Q4 ? 16 : 32; /* bytes per block */
+            if (pf && !((bb * b) & 63)) _mm_prefetch(pf + bb * b, _MM_HINT_T1);
             __m256 v[4];
-            if (fmt == FMT_Q4) {
-                if (pf && !(b & 3)) _mm_prefetch(pf + 16 * b, _MM_HINT_T1);
-                const uint8_t *qb = wp + 16 * (b0 + b);
-                __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
-                __m256i bb = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
-                const __m256i m4 = _mm256_set1_epi32(0x0F);
-                v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, m4));
-                v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(bb, m4));
-                v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-                v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bb, 4));
-            } else {
-                if (pf && !(b & 1)) _mm_prefetch(pf + 32 * b, _MM_HINT_T1);
-                const uint8_t *qb = wp + 32 * (b0 + b);
-                for (int i = 0; i < 4; i++)
-                    v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * i))));
-            }
+            axpy_block_codes(fmt, wp + bb * (b0 + b), v);
             if (c + 32 <= c1) {
                 for (int i = 0; i < 4; i++)
                     _mm256_storeu_ps(y + c + 8 * i, _mm256_fmadd_ps(s, v[i], _mm256_loadu_ps(y + c + 8 * i)));
