@@ -291,20 +291,21 @@ _REQUANT_Q8 = ("Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_TYPES = ("F32", "F16", "BF16") + tuple(_BLOCK_CONVERTERS) + _REQUANT_Q8
 
 
-_C_REPACK = ("Q4_K", "Q6_K")
+# Block types the compiled repack handles, with their super-block bytes.
+_C_REPACK = {"Q4_K": 144, "Q6_K": 210}
 
 
 def _repack_c(tname: str, raw: np.ndarray, rows: int, cols: int):
     """Q4_K / Q6_K -> QWeight with the compiled repack (sparseinfer/csrc/repack.c): the same
     bytes and scales as `_q4_k` / `_q6_k` + `pack_q6` (tests compare them), ~10-50x faster.
-    None when the extension is not built (the numpy converters then do it)."""
+    None for other types or when the extension is not built (the numpy converters then do it)."""
     import torch
 
     from ..kernels import cpu
     from ..quant import QWeight
 
     lib = cpu._cpu
-    if lib is None or raw.dtype != np.uint8 or raw.shape[-1] != {"Q4_K": 144, "Q6_K": 210}[tname]:
+    if lib is None or raw.dtype != np.uint8 or raw.shape[-1] != _C_REPACK.get(tname):
         return None
     src = np.ascontiguousarray(raw)
     nsuper = rows * (cols // 256)
@@ -349,11 +350,8 @@ def tensor_to_qweight(t, keep_float: str | None = None):
     if cols % block:
         raise ModelFormatError(f"tensor {t.name!r}: {cols} columns is not a multiple of the {tname} block size {block}")
     raw = np.asarray(t.data).reshape(rows, cols // block, -1)
-    if tname in _C_REPACK:
-        fast = _repack_c(tname, raw, rows, cols)
-        if fast is not None:
-            return fast
-    return _repack_numpy(tname, raw, rows, cols)
+    fast = _repack_c(tname, raw, rows, cols)
+    return fast if fast is not None else _repack_numpy(tname, raw, rows, cols)
 
 
 def _repack_numpy(tname: str, raw: np.ndarray, rows: int, cols: int):
