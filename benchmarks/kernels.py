@@ -76,7 +76,13 @@ def random_rows_probe(row_bytes, frac, nbytes=1 << 30, reps=5):
     return n * row_bytes / best / 1e9
 
 
-def copy_weight(w: QWeight) -> QWeight:
+def copy_weight(w: QWeight, layout: str = "rows") -> QWeight:
+    """A fresh copy of `w` on huge pages.  layout "rows": each row's scales next to its values
+    (`cpu.interleave_rows`, the layout of the engine's fused gate+up / q+k+v weights, down_t and
+    neuron records); "split": values, scales and mins as three separate tensors."""
+    if layout == "rows" and w.fmt in ("q4", "q8", "q6"):
+        return cpu.interleave_rows(w)
+
     def cl(t):
         if t is None:
             return None
@@ -86,11 +92,11 @@ def copy_weight(w: QWeight) -> QWeight:
     return QWeight(w.fmt, w.rows, w.cols, cl(w.qs), cl(w.d), cl(w.m))
 
 
-def weight_set(fmt, rows, cols, target_bytes, seed):
+def weight_set(fmt, rows, cols, target_bytes, seed, layout="rows"):
     g = torch.Generator().manual_seed(seed)
     base = from_float(torch.randn(rows, cols, generator=g) * 0.02, fmt)
     n = max(2, math.ceil(target_bytes / base.nbytes))
-    return [copy_weight(base) for _ in range(n)]
+    return [copy_weight(base, layout) for _ in range(n)]
 
 
 class Bench:
@@ -104,7 +110,7 @@ class Bench:
     def add(self, kernel, fmt, rows, cols, frac, seconds, nbytes, **extra):
         rec = {"kernel": kernel, "format": fmt, "rows": rows, "cols": cols, "active_fraction": frac,
                "threads": self.threads, "seconds": seconds, "gbps": nbytes / seconds / 1e9 if seconds else 0.0,
-               "probe_gbps": self.probe}
+               "probe_gbps": self.probe, "layout": self.args.layout}
         rec.update(extra)
         self.records.append(rec)
         return rec
@@ -126,7 +132,7 @@ class Bench:
     def dense(self, fmt, shapes):
         out = {}
         for rows, cols in shapes:
-            ws = weight_set(fmt, rows, cols, self.args.working_set, seed=rows)
+            ws = weight_set(fmt, rows, cols, self.args.working_set, seed=rows, layout=self.args.layout)
             x, y = torch.randn(cols), torch.empty(rows)
             cpu.gemv(ws[0], x, out=y)
             t = self.rotate(ws, lambda w: cpu.gemv(w, x, out=y))
@@ -139,7 +145,7 @@ class Bench:
 
     # ------------------------------------------------------------------------ sparse
     def sparse(self, fmt, d_ff, d_model, t_up, t_down):
-        ws = weight_set(fmt, d_ff, d_model, self.args.working_set, seed=7)
+        ws = weight_set(fmt, d_ff, d_model, self.args.working_set, seed=7, layout=self.args.layout)
         x, xo = torch.randn(d_model), torch.empty(d_model)
         g = torch.Generator().manual_seed(0)
         # fused FFN: three matrices per copy (gate, up, down_t) share the working set
@@ -361,6 +367,9 @@ def write_markdown(path, b: Bench, meta):
         "not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 `gemv_rows` at 0.1 "
         "read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so quote sparse "
         "speedups from full runs.  ",
+        "Integer weights are laid out " + ("with each row's scales (and mins) just before its values "
+        "(`cpu.interleave_rows`, the engine's layout for row-sparse access), dense and sparse alike.  "
+        if meta.get("layout", "split") == "rows" else "as separate value, scale and min tensors.  "),
         f"Command: `python benchmarks/kernels.py {' '.join(meta['argv'])}`",
         "",
     ]
@@ -503,6 +512,9 @@ def main(argv=None):
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reps", type=int, default=5, help="passes per measurement (best is kept)")
     ap.add_argument("--working-set", type=float, default=1.5e9, help="bytes of weight copies per measurement")
+    ap.add_argument("--layout", choices=("rows", "split"), default="rows",
+                    help="integer weights with each row's scales next to its values (rows, the engine's "
+                         "layout for row-sparse access) or as separate value/scale/min tensors (split)")
     ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
     ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
     ap.add_argument("--no-gemm", action="store_true", help="skip the prefill matmul section")
@@ -521,7 +533,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(), "llc": llc_text(),
             "load0": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv,
-            "working_set": args.working_set, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "working_set": args.working_set, "layout": args.layout, "date": time.strftime("%Y-%m-%d %H:%M")}
     b = Bench(args)
     log(f"{meta['cpu']}: kernels {meta['simd']}, {args.threads} threads, load {meta['load0']:.1f}")
     b.reprobe()

@@ -727,6 +727,33 @@ def test_strided_views_are_checked():
         cpu.gemv(QWeight("q8", 8, 64, v.qs, v.d, m2), rand(64))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interleave_rows_keeps_results_and_puts_each_row_in_one_piece(level, fmt):
+    """`interleave_rows`: each row's scales, mins and values lie in one contiguous piece of one
+    buffer (scales first), and every kernel gives exactly the contiguous weight's results;
+    float formats come back as they are."""
+    g = torch.Generator().manual_seed(5)
+    for i, (n, k) in enumerate([(1, 7), (37, 100), (64, 256), (6, 4096 + 96)]):
+        w = make_weight(fmt, n, k, seed=i)
+        v = cpu.interleave_rows(w)
+        if w.fmt in ("f32", "f16", "bf16"):
+            assert v is w
+            continue
+        parts = [t for t in (v.d, v.m, v.qs) if t is not None]
+        assert len({t.untyped_storage().data_ptr() for t in parts}) == 1
+        ends = [(t.data_ptr(), t.data_ptr() + t.shape[1] * t.element_size()) for t in parts]
+        assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))  # d, m, qs back to back
+        assert torch.equal(v.dequantize(), w.dequantize())
+        x, X = rand(k, seed=i), rand(3, k, seed=i + 1)
+        assert torch.equal(cpu.gemv(v, x), cpu.gemv(w, x))
+        assert torch.equal(cpu.matmul(v, X), cpu.matmul(w, X))
+        for rows in row_sets(n, g).values():
+            assert torch.equal(cpu.gemv_rows(v, x, rows), cpu.gemv_rows(w, x, rows))
+            if w.fmt != "q6":
+                h = rand(rows.numel(), seed=i)
+                assert torch.equal(cpu.axpy_rows(v, h, rows), cpu.axpy_rows(w, h, rows))
+
+
 @pytest.mark.parametrize("act", ["silu", "relu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("gated,relu_up,permuted", [(True, False, True), (True, True, False), (False, False, True)])
 def test_hidden_rows_matches_torch(act, gated, relu_up, permuted):

@@ -229,7 +229,7 @@ def test_gate_up_fused_views_and_their_checks():
     ffn.dense_gate_up = True
     gu = ffn._gate_up
     assert gu.rows == 2 * n and ffn.gate.qs.data_ptr() == gu.qs.data_ptr()
-    assert ffn.up.qs.data_ptr() == gu.qs.data_ptr() + ffn.gate.qs.nbytes
+    assert ffn.up.qs.data_ptr() == gu.qs.data_ptr() + n * gu.qs.stride(0) * gu.qs.element_size()
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = ffn.reference(x)

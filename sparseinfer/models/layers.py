@@ -105,8 +105,14 @@ def fuse_weights(*ws: QWeight) -> tuple[QWeight, list[QWeight]] | None:
             w.fmt != w0.fmt or w.cols != w0.cols or w.qs.device != w0.qs.device
             or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None) for w in ws):
         return None
-    cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
-    fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))
+    k = _cpu_kernels()
+    if k.available():
+        # each row's scales next to its values (`interleave_rows`): one stream per row for the
+        # dense products, and no neighbours' scales read by the row-sparse ones
+        fused = k.interleave_rows(*ws)
+    else:
+        cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
+        fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))
     views, a = [], 0
     for w in ws:
         b = a + w.rows

@@ -241,7 +241,9 @@ class SparseFFN(nn.Module):
     def down_t(self) -> QWeight:
         """(n, d_model) neuron-major `down`, built on first use."""
         if self._down_t is None:
-            self._down_t = transpose_neuron_major(self.down.weight, self.order)
+            dt = transpose_neuron_major(self.down.weight, self.order)
+            # each neuron's scales next to its values: axpy_rows reads one piece per active row
+            self._down_t = _kernels().interleave_rows(dt) if _kernels().available() and dt.qs.is_cpu else dt
             g = 0 if self.gate is None else self.gate.row_bytes()
             # bytes per row read by decode: first projection, all three (fused kernel), down_t
             self._rb = (self.first.row_bytes(), self.up.row_bytes() + self.down_t.row_bytes() + g,
