@@ -197,17 +197,18 @@ static PyObject *py_read_seconds(PyObject *self, PyObject *const *a, Py_ssize_t 
     return PyFloat_FromDouble(sec);
 }
 
-/* read_rows_seconds(ptr, row_bytes, idx, n, reps) -> seconds (rows must be in range) */
+/* read_rows_seconds(ptr, row_bytes, idx, n, reps, prefetch) -> seconds (rows must be in range;
+ * prefetch: 1 = whole rows 8 ahead in software, 0 = none, the hardware prefetchers only) */
 static PyObject *py_read_rows_seconds(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *p, *idx;
-    int64_t row_bytes, n, reps;
+    int64_t row_bytes, n, reps, pf;
     double sec;
-    if (!nargs_ok(na, 5, "read_rows_seconds") || get_ptr(a[0], &p) || get_i64(a[1], &row_bytes) ||
-        get_ptr(a[2], &idx) || get_i64(a[3], &n) || get_i64(a[4], &reps))
+    if (!nargs_ok(na, 6, "read_rows_seconds") || get_ptr(a[0], &p) || get_i64(a[1], &row_bytes) ||
+        get_ptr(a[2], &idx) || get_i64(a[3], &n) || get_i64(a[4], &reps) || get_i64(a[5], &pf))
         return NULL;
     if (!p || !idx || row_bytes <= 0 || n <= 0 || reps <= 0) return PyErr_Format(PyExc_ValueError, "bad read_rows_seconds arguments");
     Py_BEGIN_ALLOW_THREADS
-    sec = si_read_rows_seconds(p, row_bytes, idx, n, (int)reps);
+    sec = si_read_rows_seconds(p, row_bytes, idx, n, (int)reps, pf != 0);
     Py_END_ALLOW_THREADS
     return PyFloat_FromDouble(sec);
 }
@@ -533,7 +534,7 @@ static PyMethodDef methods[] = {
     {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*8, up*8, down_t*8, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
-    {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps)"},
+    {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps, prefetch)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
     {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, r0, r1, out)"},
     {"act", (PyCFunction)(void (*)(void))py_act, METH_FASTCALL, "act(code, v, n): v = act(v) in place"},

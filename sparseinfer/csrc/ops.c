@@ -787,6 +787,7 @@ typedef struct {
     const kernels_t *k;
     const uint8_t *p;
     int64_t row_bytes, n, chunk;
+    int prefetch;
     const int32_t *rows;
     uint64_t sink[256];
 } rows_ctx;
@@ -796,7 +797,7 @@ static void read_rows_task(void *p, int64_t c) {
     int64_t j0 = c * a->chunk, j1 = j0 + a->chunk < a->n ? j0 + a->chunk : a->n;
     uint64_t acc = 0;
     for (int64_t j = j0; j < j1; j++) {
-        if (j + 8 < j1) {
+        if (a->prefetch && j + 8 < j1) {
             const uint8_t *q = a->p + (int64_t)a->rows[j + 8] * a->row_bytes;
             for (int64_t o = 0; o < a->row_bytes; o += 64) __builtin_prefetch(q + o, 0, 2);
         }
@@ -807,7 +808,7 @@ static void read_rows_task(void *p, int64_t c) {
 
 /* Seconds for `reps` parallel passes reading whole rows rows[0..n) of row_bytes each: the
  * memory system's speed for the access pattern of the sparse kernels, without their work. */
-double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps) {
+double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps, int prefetch) {
     static volatile uint64_t keep;
     rows_ctx *a = calloc(1, sizeof *a);
     if (!a) abort();
@@ -816,6 +817,7 @@ double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *
     a->row_bytes = row_bytes;
     a->rows = rows;
     a->n = n;
+    a->prefetch = prefetch;
     a->chunk = (n + 8 * nthreads() - 1) / (8 * nthreads());
     if (a->chunk < 1) a->chunk = 1;
     struct timespec t0, t1;

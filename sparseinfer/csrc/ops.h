@@ -71,6 +71,6 @@ typedef struct {
 void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,
                           const sparse_mlp_t *s, const int32_t *given, int64_t n_given);
 double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps);
-double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps);
+double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps, int prefetch);
 
 #endif
