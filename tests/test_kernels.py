@@ -775,3 +775,31 @@ def test_hidden_rows_matches_torch(act, gated, relu_up, permuted):
         got = cpu.hidden_rows(gpre.clone(), u if gated else None, act, thr, order, relu_up=relu_up)
         assert got.shape == (M, n)
         torch.testing.assert_close(got.double(), h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs the compiled kernels")
+def test_interleave_head_keeps_logits_and_the_tied_embedding():
+    """`interleave_head`: the output projection (q4/q8/q6 on the CPU, q4 up to 4096 wide) takes
+    the interleaved layout, stays the embedding's weight when tied, and gives the same products
+    and embeddings; wide q4 rows and float heads are left as they are."""
+    from types import SimpleNamespace
+
+    from sparseinfer.models.base import Embedding
+    from sparseinfer.models.layers import Linear
+    from sparseinfer.models.registry import interleave_head
+
+    for fmt, cols, tied, changes in [("q6", 96, True, True), ("q8", 100, False, True), ("q4", 256, True, True),
+                                     ("q4", 4096 + 32, True, False), ("f16", 64, True, False)]:
+        w = make_weight(fmt, 37, cols, seed=cols)
+        embed = Embedding(w)
+        head = Linear(w if tied else make_weight(fmt, 37, cols, seed=cols + 1))
+        model = SimpleNamespace(embed=embed, head=head)
+        x, toks = rand(cols, seed=1).view(1, 1, cols), torch.tensor([[0, 5, 36]])
+        want_y, want_e, before = head(x), embed(toks), head.weight
+        interleave_head(model)
+        assert (head.weight is not before) == changes
+        assert (embed.weight is head.weight) == tied
+        if changes:
+            assert head.weight.qs.untyped_storage().data_ptr() == head.weight.d.untyped_storage().data_ptr()
+        assert torch.equal(head(x), want_y)
+        assert torch.equal(embed(toks), want_e)

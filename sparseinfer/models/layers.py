@@ -106,7 +106,7 @@ def fuse_weights(*ws: QWeight) -> tuple[QWeight, list[QWeight]] | None:
             or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None) for w in ws):
         return None
     k = _cpu_kernels()
-    if k.available():
+    if k.interleave_pays(w0):
         # each row's scales next to its values (`interleave_rows`): one stream per row for the
         # dense products, and no neighbours' scales read by the row-sparse ones
         fused = k.interleave_rows(*ws)

@@ -243,7 +243,7 @@ class SparseFFN(nn.Module):
         if self._down_t is None:
             dt = transpose_neuron_major(self.down.weight, self.order)
             # each neuron's scales next to its values: axpy_rows reads one piece per active row
-            self._down_t = _kernels().interleave_rows(dt) if _kernels().available() and dt.qs.is_cpu else dt
+            self._down_t = _kernels().interleave_rows(dt) if _kernels().interleave_pays(dt) else dt
             g = 0 if self.gate is None else self.gate.row_bytes()
             # bytes per row read by decode: first projection, all three (fused kernel), down_t
             self._rb = (self.first.row_bytes(), self.up.row_bytes() + self.down_t.row_bytes() + g,
