@@ -477,10 +477,14 @@ def interleave_rows(*ws: QWeight) -> QWeight:
 
 def interleave_pays(w: QWeight) -> bool:
     """Whether `interleave_rows` is expected to speed up products over `w`: integer formats on
-    the CPU, except q4 rows wider than 4096 values, whose dense gemv read 4-5% slower
-    interleaved (1536x8960 0.30 -> 0.31-0.33 ms, 4096x11008 0.98-1.02 -> 0.99-1.04 ms; q8 and
-    q6 were as fast or faster at every width measured)."""
-    return w.fmt in ("q4", "q8", "q6") and w.qs.is_cpu and (w.fmt != "q4" or w.cols <= 4096) and available()
+    the CPU with the AVX-512 kernels, except q4 rows wider than 4096 values, whose dense gemv
+    read 4-5% slower interleaved (1536x8960 0.30 -> 0.31-0.33 ms, 4096x11008 0.98-1.02 ->
+    0.99-1.04 ms; q8 and q6 were as fast or faster at every width measured).  The AVX2 kernels
+    (same Xeon, `SPARSEINFER_SIMD=avx2`) gained nothing from it: dense gemv 294 vs 301 us,
+    `gemv_rows` at 0.1 72 vs 74 us, Qwen2.5-1.5B decode 19.9-20.3 tok/s split vs 18.2-20.7 interleaved, while
+    the copy added ~0.5 s to its load."""
+    return (w.fmt in ("q4", "q8", "q6") and w.qs.is_cpu and (w.fmt != "q4" or w.cols <= 4096)
+            and available() and simd_level().startswith("avx512"))
 
 
 def _records(weights: list[QWeight], stack: tuple[QWeight, ...] | None = None) -> tuple[torch.Tensor, list[QWeight]]:
