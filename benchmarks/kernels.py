@@ -80,8 +80,9 @@ def random_rows_probe(row_bytes, frac, nbytes=1 << 30, reps=5):
 
 def copy_weight(w: QWeight, layout: str = "rows") -> QWeight:
     """A fresh copy of `w` on huge pages.  layout "rows": each row's scales next to its values
-    (`cpu.interleave_rows`, the layout of the engine's fused gate+up / q+k+v weights, down_t and
-    neuron records); "split": values, scales and mins as three separate tensors."""
+    (`cpu.interleave_rows`, the engine's layout for its fused gate+up / q+k+v weights, down_t
+    and output projection with the AVX-512 kernels); "split": values, scales and mins as three
+    separate tensors."""
     if layout == "rows" and w.fmt in ("q4", "q8", "q6"):
         return cpu.interleave_rows(w)
 
@@ -379,7 +380,7 @@ def write_markdown(path, b: Bench, meta):
         "read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so quote sparse "
         "speedups from full runs.  ",
         "Integer weights are laid out " + ("with each row's scales (and mins) just before its values "
-        "(`cpu.interleave_rows`, the engine's layout for row-sparse access), dense and sparse alike.  "
+        "(`cpu.interleave_rows`, the engine's layout with the AVX-512 kernels), dense and sparse alike.  "
         if meta.get("layout", "split") == "rows" else "as separate value, scale and min tensors.  "),
         f"Command: `python benchmarks/kernels.py {' '.join(meta['argv'])}`",
         "",
@@ -545,9 +546,10 @@ def main(argv=None):
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reps", type=int, default=5, help="passes per measurement (best is kept)")
     ap.add_argument("--working-set", type=float, default=1.5e9, help="bytes of weight copies per measurement")
-    ap.add_argument("--layout", choices=("rows", "split"), default="rows",
-                    help="integer weights with each row's scales next to its values (rows, the engine's "
-                         "layout for row-sparse access) or as separate value/scale/min tensors (split)")
+    ap.add_argument("--layout", choices=("auto", "rows", "split"), default="auto",
+                    help="integer weights with each row's scales next to its values (rows) or as separate "
+                         "value/scale/min tensors (split); auto: what the engine uses with these kernels "
+                         "(rows with the AVX-512 ones, `cpu.interleave_pays`)")
     ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
     ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
     ap.add_argument("--no-gemm", action="store_true", help="skip the prefill matmul section")
@@ -562,6 +564,8 @@ def main(argv=None):
         models, args.reps, args.working_set = models[:1], 3, min(args.working_set, 0.6e9)
     if not cpu.available():
         sys.exit("sparseinfer._cpu is not built: pip install -e . with a C compiler")
+    if args.layout == "auto":
+        args.layout = "rows" if cpu.simd_level().startswith("avx512") else "split"
     cpu.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(), "llc": llc_text(),
