@@ -78,12 +78,12 @@ def random_rows_probe(row_bytes, frac, nbytes=1 << 30, reps=5):
     return n * row_bytes / best / 1e9
 
 
-def copy_weight(w: QWeight, layout: str = "rows") -> QWeight:
+def copy_weight(w: QWeight, layout: str = "auto") -> QWeight:
     """A fresh copy of `w` on huge pages.  layout "rows": each row's scales next to its values
-    (`cpu.interleave_rows`, the engine's layout for its fused gate+up / q+k+v weights, down_t
-    and output projection with the AVX-512 kernels); "split": values, scales and mins as three
-    separate tensors."""
-    if layout == "rows" and w.fmt in ("q4", "q8", "q6"):
+    (`cpu.interleave_rows`); "split": values, scales and mins as three separate tensors; "auto":
+    as the engine lays out its fused gate+up / q+k+v weights, down_t and output projection
+    (`cpu.interleave_pays`)."""
+    if w.fmt in ("q4", "q8", "q6") and (layout == "rows" or (layout == "auto" and cpu.interleave_pays(w))):
         return cpu.interleave_rows(w)
 
     def cl(t):
@@ -95,7 +95,7 @@ def copy_weight(w: QWeight, layout: str = "rows") -> QWeight:
     return QWeight(w.fmt, w.rows, w.cols, cl(w.qs), cl(w.d), cl(w.m))
 
 
-def weight_set(fmt, rows, cols, target_bytes, seed, layout="rows"):
+def weight_set(fmt, rows, cols, target_bytes, seed, layout="auto"):
     g = torch.Generator().manual_seed(seed)
     base = from_float(torch.randn(rows, cols, generator=g) * 0.02, fmt)
     n = max(2, math.ceil(target_bytes / base.nbytes))
@@ -142,8 +142,9 @@ class Bench:
             r = self.add("gemv", fmt, rows, cols, 1.0, t, ws[0].nbytes)
             log(f"  gemv {fmt:4s} {rows}x{cols}: {t * 1e3:7.3f} ms {r['gbps']:5.1f} GB/s "
                 f"({100 * r['gbps'] / self.probe:3.0f}% of the best probe so far)")
+            interleaved = ws[0].d is not None and not ws[0].qs.is_contiguous()
             del ws
-            if self.args.layout == "rows" and fmt in ("q4", "q8", "q6"):
+            if interleaved:
                 # the sparse kernels are compared with the faster dense layout (interleaved rows
                 # read slower on wide q4 rows, e.g. 1536x8960), so the ratios are not flattered
                 ws = weight_set(fmt, rows, cols, self.args.working_set, seed=rows, layout="split")
@@ -379,9 +380,12 @@ def write_markdown(path, b: Bench, meta):
         "not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 `gemv_rows` at 0.1 "
         "read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so quote sparse "
         "speedups from full runs.  ",
-        "Integer weights are laid out " + ("with each row's scales (and mins) just before its values "
-        "(`cpu.interleave_rows`, the engine's layout with the AVX-512 kernels), dense and sparse alike.  "
-        if meta.get("layout", "split") == "rows" else "as separate value, scale and min tensors.  "),
+        "Integer weights are laid out " + {
+            "rows": "with each row's scales (and mins) just before its values (`cpu.interleave_rows`), "
+                    "dense and sparse alike.  ",
+            "auto": "as the engine lays them out with these kernels: each row's scales (and mins) just "
+                    "before its values where `cpu.interleave_pays`, else as separate tensors.  ",
+        }.get(meta.get("layout", "split"), "as separate value, scale and min tensors.  "),
         f"Command: `python benchmarks/kernels.py {' '.join(meta['argv'])}`",
         "",
     ]
@@ -548,8 +552,8 @@ def main(argv=None):
     ap.add_argument("--working-set", type=float, default=1.5e9, help="bytes of weight copies per measurement")
     ap.add_argument("--layout", choices=("auto", "rows", "split"), default="auto",
                     help="integer weights with each row's scales next to its values (rows) or as separate "
-                         "value/scale/min tensors (split); auto: what the engine uses with these kernels "
-                         "(rows with the AVX-512 ones, `cpu.interleave_pays`)")
+                         "value/scale/min tensors (split); auto: per weight, as the engine lays it out with "
+                         "these kernels (`cpu.interleave_pays`)")
     ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
     ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
     ap.add_argument("--no-gemm", action="store_true", help="skip the prefill matmul section")
@@ -564,8 +568,6 @@ def main(argv=None):
         models, args.reps, args.working_set = models[:1], 3, min(args.working_set, 0.6e9)
     if not cpu.available():
         sys.exit("sparseinfer._cpu is not built: pip install -e . with a C compiler")
-    if args.layout == "auto":
-        args.layout = "rows" if cpu.simd_level().startswith("avx512") else "split"
     cpu.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(), "llc": llc_text(),

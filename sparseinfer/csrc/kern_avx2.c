@@ -486,13 +486,13 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
     memset(ym, 0, sizeof ym);
     /* byte range of this column chunk within a row, for prefetching rows ahead */
     const int64_t s0 = fmt == FMT_Q4 ? b0 * 16 : fmt == FMT_Q8 ? b0 * 32 : c0 * (fmt == FMT_F32 ? 4 : 2);
+    const int64_t bb = fmt == FMT_Q4 ? 16 : 32; /* bytes per block (q4, q8) */
     int64_t j = 0;
     if ((fmt == FMT_Q8 || fmt == FMT_Q4) && (c1 - c0) % 32 == 0) {
         /* two rows per pass over y: half the loads and stores of y, the same sums in the same
          * order (row j's fma, then row j + 1's, per element; their mins likewise per block);
          * AVX2 q4 axpy_rows 8960x1536 at 1.0 / 0.1 active: 1015-1037 -> 726-734 / 148-157 ->
          * 130-132 us */
-        const int64_t bb = fmt == FMT_Q4 ? 16 : 32; /* bytes per block */
         for (; j + 2 <= n; j += 2) {
             /* rows PF_ROWS ahead: scales now, data one line per line consumed (a burst of
              * prefetches per row stalls once the miss buffers are full) */
@@ -558,7 +558,6 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
             const int64_t c = (b0 + b) * 32;
             const __m256 s = _mm256_set1_ps(hj * _cvtsh_ss(dp[b]));
             if (mp) ym[b] = fmaf(hj, _cvtsh_ss(mp[b]), ym[b]);
-            const int64_t bb = fmt == FMT_Q4 ? 16 : 32; /* bytes per block */
             if (pf && !((bb * b) & 63)) _mm_prefetch(pf + bb * b, _MM_HINT_T1);
             __m256 v[4];
             axpy_block_codes(fmt, wp + bb * (b0 + b), v);

@@ -451,7 +451,7 @@ def neuron_records(weights: list[QWeight]) -> tuple[torch.Tensor, list[QWeight]]
     `sparse_ffn_records`)."""
     if any(w.rows != weights[0].rows or w.fmt not in ("q4", "q8") for w in weights):
         raise ValueError("neuron records need q4/q8 weights with the same number of rows")
-    return _records(weights)
+    return _records([[w] for w in weights])
 
 
 def interleave_rows(*ws: QWeight) -> QWeight:
@@ -462,8 +462,8 @@ def interleave_rows(*ws: QWeight) -> QWeight:
     scale tensors a 64-byte line of q4 scales spans 1.3 rows of 1536-wide scales, and each row
     is three streams to fetch instead of one).  Same weights in both layouts, alternated in one
     process (8960x1536 q4, 2 threads): `gemv_rows` at active fraction 0.1 82 -> 61 us,
-    `axpy_rows` 95 -> 73 us, dense `gemv` 295 -> 271 us.  Float formats (and a single float
-    weight) come back as they are."""
+    `axpy_rows` 95 -> 73 us, dense `gemv` 295 -> 271 us.  A float weight has no scales: one
+    comes back as it is, several are refused (`fuse_weights` stacks those itself)."""
     w0 = ws[0]
     if any(w.fmt != w0.fmt or w.cols != w0.cols or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None)
            for w in ws):
@@ -471,8 +471,8 @@ def interleave_rows(*ws: QWeight) -> QWeight:
     if w0.fmt not in ("q4", "q8", "q6"):
         if len(ws) == 1:
             return w0
-        return QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, torch.cat([w.qs for w in ws]))
-    return _records([w0], ws)[1][0]
+        raise ValueError(f"interleave_rows: {w0.fmt} weights have no scales to interleave")
+    return _records([list(ws)])[1][0]
 
 
 def interleave_pays(w: QWeight) -> bool:
@@ -487,11 +487,11 @@ def interleave_pays(w: QWeight) -> bool:
             and available() and simd_level().startswith("avx512"))
 
 
-def _records(weights: list[QWeight], stack: tuple[QWeight, ...] | None = None) -> tuple[torch.Tensor, list[QWeight]]:
-    """neuron_records's layout; with `stack` (weights of weights[0]'s format and width), one
-    weight whose rows are theirs, stacked."""
-    sources = [list(stack)] if stack else [[w] for w in weights]
-    rows = sum(w.rows for w in sources[0])
+def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
+    """One buffer of records, one weight per group: a group's weights (one format and width)
+    are stacked by rows, and every group has the same total row count."""
+    weights = [g[0] for g in groups]
+    rows = sum(w.rows for w in groups[0])
     # each weight's scales and mins, then its values, weight after weight: the order the pass
     # reads them in (the dot tiles and the axpy load a row's scales before its values).  Against
     # all values first, then all scales: records pass at active fraction 0.1, q4, 2 threads,
@@ -506,7 +506,7 @@ def _records(weights: list[QWeight], stack: tuple[QWeight, ...] | None = None) -
     for i, name, t in parts:
         nbytes = t.shape[1] * t.element_size()
         r0 = 0
-        for src in sources[i]:
+        for src in groups[i]:
             part = getattr(src, name)
             buf[r0:r0 + src.rows, o:o + nbytes].copy_(part.contiguous().view(torch.uint8).view(src.rows, nbytes))
             r0 += src.rows
