@@ -498,17 +498,23 @@ def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
     # both layouts alternated in one process, -3% (8960x1536), -5% (11008x4096), q8 -1%.
     parts = [(i, name, getattr(w, name)) for i, w in enumerate(weights) for name in ("d", "m", "qs")
              if getattr(w, name) is not None]
-    width = sum(t.shape[1] * t.element_size() for _, _, t in parts)
+    sizes = [t.shape[1] * t.element_size() for _, _, t in parts]
+    width = sum(sizes)
     buf = empty_hugepages((rows, (width + 63) // 64 * 64))
     buf[:, width:].zero_()
+    # copy in the widest words that every piece's offset and size allow: a strided copy of
+    # bytes moved ~2 GB/s here, of 8-byte words ~10 (Qwen2.5-1.5B's 200 MB output projection
+    # took 0.34 s of its ~1.9 s load)
+    word = next(e for e in (8, 4, 2, 1) if all(n % e == 0 for n in sizes))
+    wtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    wbuf = buf.view(wtype)
     views = [{"d": None, "m": None} for _ in weights]
     o = 0
-    for i, name, t in parts:
-        nbytes = t.shape[1] * t.element_size()
+    for (i, name, t), nbytes in zip(parts, sizes):
         r0 = 0
         for src in groups[i]:
-            part = getattr(src, name)
-            buf[r0:r0 + src.rows, o:o + nbytes].copy_(part.contiguous().view(torch.uint8).view(src.rows, nbytes))
+            part = getattr(src, name).contiguous().view(torch.uint8).view(src.rows, nbytes)
+            wbuf[r0:r0 + src.rows, o // word:(o + nbytes) // word].copy_(part.view(wtype))
             r0 += src.rows
         views[i][name] = buf[:, o:o + nbytes].view(t.dtype)
         o += nbytes
