@@ -399,8 +399,8 @@ def test_sparse_ffn(level, fmt, act):
     records = fmt.endswith("-records")
     fmt = fmt.removesuffix("-records")
     fmts = {"q4q8": ("q4", "q8", "q8"), "q6": ("q6", "q6", "q8")}.get(fmt, (fmt,) * 3)
-    # 40 x 2304: over 256 kept rows per partition, so the records pass flushes more than once
-    for i, (d_model, d_ff) in enumerate([(32, 64), (100, 37), (96, 300), (40, 2304)]):
+    # 40 x 4608: over 512 kept rows per partition, so the records pass flushes more than once
+    for i, (d_model, d_ff) in enumerate([(32, 64), (100, 37), (96, 300), (40, 4608)]):
         gated = i != 1
         gate = make_weight(fmts[0], d_ff, d_model, seed=10 + i) if gated else None
         up = make_weight(fmts[1], d_ff, d_model, seed=20 + i)

@@ -198,7 +198,8 @@ static PyObject *py_read_seconds(PyObject *self, PyObject *const *a, Py_ssize_t 
 }
 
 /* read_rows_seconds(ptr, row_bytes, idx, n, reps, prefetch) -> seconds (rows must be in range;
- * prefetch: 1 = whole rows 8 ahead in software, 0 = none, the hardware prefetchers only) */
+ * prefetch: 1 = whole rows 8 ahead in software, 0 = none, the hardware prefetchers only,
+ * 2 = eight rows at a time, line by line across them) */
 static PyObject *py_read_rows_seconds(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *p, *idx;
     int64_t row_bytes, n, reps, pf;
@@ -208,7 +209,7 @@ static PyObject *py_read_rows_seconds(PyObject *self, PyObject *const *a, Py_ssi
         return NULL;
     if (!p || !idx || row_bytes <= 0 || n <= 0 || reps <= 0) return PyErr_Format(PyExc_ValueError, "bad read_rows_seconds arguments");
     Py_BEGIN_ALLOW_THREADS
-    sec = si_read_rows_seconds(p, row_bytes, idx, n, (int)reps, pf != 0);
+    sec = si_read_rows_seconds(p, row_bytes, idx, n, (int)reps, pf == 2 ? 2 : pf != 0);
     Py_END_ALLOW_THREADS
     return PyFloat_FromDouble(sec);
 }

@@ -582,19 +582,25 @@ void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, 
  * rows into a partial sum.  The candidate list is cut into partitions as a function of n only
  * (each summed in order by one thread, partials added in partition order), so results do not
  * depend on the thread count. */
-/* Blocks of 64 neurons, with one partial-sum pass per 256 kept (in practice once per
+/* History: blocks of 64 neurons, with one partial-sum pass per 256 kept (in practice once per
  * partition): 8 -> 64 and 64 -> 256 took the pass at active fraction 0.1 from 166-170 to
  * 140-155 us for 8960x1536 q4 and from 404-464 to 350-418 us for 11008x4096 (AVX-512 VNNI,
  * 2 threads, builds alternated in separate processes; the AVX2 kernels on the same machine
  * 252 -> 237 us and 722-755 -> 670-708 us). */
+/* Blocks of 128 with the AVX-512 kernels, whose dot tiles and axpy read 8 rows at a time:
+ * 64 -> 128 took the pass at 0.1 from 162 to 156 us (8960x1536 q4), 463 -> 455 us
+ * (11008x4096) and 234 -> 228 us (q8), alternated in one process.  The AVX2 kernels prefetch
+ * whole records a block ahead and keep 64 (two blocks of 128 records would overflow a 512 KB
+ * L2). */
 #ifndef REC_BLOCK
-#define REC_BLOCK 64
+#define REC_BLOCK 128
 #endif
+#define REC_BLOCK_WHOLE 64
 #ifndef REC_AHEAD
 #define REC_AHEAD 1
 #endif
 #ifndef REC_FLUSH
-#define REC_FLUSH 256
+#define REC_FLUSH 512
 #endif
 /* ... and before the kept records pass this many bytes, so that their down rows are still in
  * a 512 KB L2 when summed (wide records: 11008x4096 q4 flushes every block) */
@@ -661,12 +667,13 @@ static void rec_task(void *p, int64_t c) {
     float g[REC_BLOCK], u[REC_BLOCK], h[REC_FLUSH];
     int32_t kr[REC_FLUSH];
     int64_t kept = 0, q = 0;
-    rec_prefetch(a, a->rows + j0, j1 - j0 < REC_AHEAD * REC_BLOCK ? j1 - j0 : REC_AHEAD * REC_BLOCK);
-    for (int64_t jb = j0; jb < j1; jb += REC_BLOCK) {
-        const int64_t nb = j1 - jb < REC_BLOCK ? j1 - jb : REC_BLOCK;
+    const int64_t blk = a->k->rec_prefetch_whole ? REC_BLOCK_WHOLE : REC_BLOCK;
+    rec_prefetch(a, a->rows + j0, j1 - j0 < REC_AHEAD * blk ? j1 - j0 : REC_AHEAD * blk);
+    for (int64_t jb = j0; jb < j1; jb += blk) {
+        const int64_t nb = j1 - jb < blk ? j1 - jb : blk;
         const int32_t *rows = a->rows + jb;
-        const int64_t pf = jb + REC_AHEAD * REC_BLOCK;
-        if (pf < j1) rec_prefetch(a, a->rows + pf, j1 - pf < REC_BLOCK ? j1 - pf : REC_BLOCK);
+        const int64_t pf = jb + REC_AHEAD * blk;
+        if (pf < j1) rec_prefetch(a, a->rows + pf, j1 - pf < blk ? j1 - pf : blk);
         ffn_dot(a->k, a->first, a->xf, a->x, rows, 0, nb, g);
         if (a->fb)
             for (int64_t i = 0; i < nb; i++) g[i] += a->fb[rows[i]];
@@ -693,7 +700,7 @@ static void rec_task(void *p, int64_t c) {
             h[q] = hb[i];
             q += hb[i] != 0.0f;
         }
-        if (q > REC_FLUSH - REC_BLOCK || q * a->rec_bytes > REC_FLUSH_BYTES) {
+        if (q > REC_FLUSH - blk || q * a->rec_bytes > REC_FLUSH_BYTES) {
             rec_flush(a, h, kr, q, tmp, yp);
             q = 0;
         }
@@ -796,6 +803,23 @@ static void read_rows_task(void *p, int64_t c) {
     rows_ctx *a = p;
     int64_t j0 = c * a->chunk, j1 = j0 + a->chunk < a->n ? j0 + a->chunk : a->n;
     uint64_t acc = 0;
+    if (a->prefetch == 2) {
+        /* 8 rows at a time, line by line across them (8 streams for the hardware prefetchers,
+         * as the one-token dot tiles read): one word per 64-byte line fetches the line */
+        for (int64_t j = j0; j < j1; j += 8) {
+            const int nr = j1 - j < 8 ? (int)(j1 - j) : 8;
+            const uint8_t *r[8];
+            for (int l = 0; l < nr; l++) r[l] = a->p + (int64_t)a->rows[j + l] * a->row_bytes;
+            for (int64_t o = 0; o < a->row_bytes; o += 64)
+                for (int l = 0; l < nr; l++) {
+                    uint64_t v;
+                    memcpy(&v, r[l] + o, 8);
+                    acc += v;
+                }
+        }
+        __atomic_fetch_add(&a->sink[c & 255], acc, __ATOMIC_RELAXED);
+        return;
+    }
     for (int64_t j = j0; j < j1; j++) {
         if (a->prefetch && j + 8 < j1) {
             const uint8_t *q = a->p + (int64_t)a->rows[j + 8] * a->row_bytes;
@@ -807,7 +831,9 @@ static void read_rows_task(void *p, int64_t c) {
 }
 
 /* Seconds for `reps` parallel passes reading whole rows rows[0..n) of row_bytes each: the
- * memory system's speed for the access pattern of the sparse kernels, without their work. */
+ * memory system's speed for the access pattern of the sparse kernels, without their work.
+ * prefetch: 0 rows one after another (hardware prefetchers only), 1 the same with each row
+ * prefetched 8 rows ahead, 2 eight rows at a time, line by line across them. */
 double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps, int prefetch) {
     static volatile uint64_t keep;
     rows_ctx *a = calloc(1, sizeof *a);
