@@ -420,6 +420,49 @@ def test_sparse_ffn(level, fmt, act):
             assert bool((err <= 1e-4 * scale + 1e-6).all()), (name, float(err.max()))
 
 
+def _records_with_gap(ws, gap):
+    """The neuron records of `ws` (as `neuron_records` lays them out: each weight's scales,
+    mins and values in a 64-byte aligned piece) with `gap` extra bytes after the first piece."""
+    sizes = [sum(t.shape[1] * t.element_size() for t in (w.d, w.m, w.qs) if t is not None) for w in ws]
+    piece = (max(sizes) + 63) // 64 * 64
+    buf = torch.zeros(ws[0].rows, piece * len(ws) + gap, dtype=torch.uint8)
+    out = []
+    for i, w in enumerate(ws):
+        o, views = piece * i + (gap if i else 0), {}
+        for name in ("d", "m", "qs"):
+            t = getattr(w, name)
+            if t is None:
+                views[name] = None
+                continue
+            nb = t.shape[1] * t.element_size()
+            buf[:, o:o + nb].copy_(t.contiguous().view(torch.uint8).view(w.rows, nb))
+            views[name] = buf[:, o:o + nb].view(t.dtype)
+            o += nb
+        out.append(QWeight(w.fmt, w.rows, w.cols, views["qs"], views["d"], views["m"]))
+    return buf, out
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8", "q8m"])
+def test_records_pass_gate_and_up_as_one_stream(level, fmt):
+    """`neuron_records` spaces each record's pieces evenly, so the keep-all records pass reads a
+    neuron's gate and up rows as one stream (one dot over 'virtual rows'); the same records
+    with a gap after the gate piece take two dots.  Every row's dot is the same computation,
+    so the results are bit-identical."""
+    d_model, d_ff = 512, 1100
+    ws = [make_weight(fmt, d_ff, d_model, seed=s) for s in (1, 2, 3)]
+    _, even = cpu.neuron_records(ws)
+    pieces = [w.qs.data_ptr() for w in even]
+    assert pieces[2] - pieces[1] == pieces[1] - pieces[0] and even[0].qs.stride(0) % (pieces[1] - pieces[0]) == 0
+    _, gapped = _records_with_gap(ws, 64)
+    g = torch.Generator().manual_seed(6)
+    x = rand(d_model, seed=7)
+    for rows in (torch.arange(d_ff, dtype=torch.int32), torch.sort(torch.randperm(d_ff, generator=g)[:300])[0].int()):
+        y = cpu.sparse_ffn(x, *even, rows, "silu")
+        assert torch.equal(y, cpu.sparse_ffn(x, *gapped, rows, "silu"))
+        exp, scale = ffn_expected(x, *ws, rows, "silu")
+        assert bool(((y.double() - exp).abs() <= 1e-4 * scale + 1e-6).all())
+
+
 def test_sparse_ffn_mixed_formats():
     gate, up, down_t = make_weight("q8", 64, 96, 1), make_weight("q4", 64, 96, 2), make_weight("bf16", 64, 96, 3)
     x, rows = rand(96), torch.arange(0, 64, 3, dtype=torch.int32)

@@ -496,12 +496,14 @@ def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
     # reads them in (the dot tiles and the axpy load a row's scales before its values).  Against
     # all values first, then all scales: records pass at active fraction 0.1, q4, 2 threads,
     # both layouts alternated in one process, -3% (8960x1536), -5% (11008x4096), q8 -1%.
+    # Each weight's piece starts on a 64-byte line, one common piece size apart, so that the
+    # records pass can read a neuron's gate and up rows as one stream (ops.c, rec_ctx.pair).
     parts = [(i, name, getattr(w, name)) for i, w in enumerate(weights) for name in ("d", "m", "qs")
              if getattr(w, name) is not None]
     sizes = [t.shape[1] * t.element_size() for _, _, t in parts]
-    width = sum(sizes)
-    buf = empty_hugepages((rows, (width + 63) // 64 * 64))
-    buf[:, width:].zero_()
+    piece = max(sum(n for (i, _, _), n in zip(parts, sizes) if i == k) for k in range(len(weights)))
+    piece = (piece + 63) // 64 * 64
+    buf = empty_hugepages((rows, piece * len(weights)))
     # copy in the widest words that every piece's offset and size allow: a strided copy of
     # bytes moved ~2 GB/s here, of 8-byte words ~10 (Qwen2.5-1.5B's 200 MB output projection
     # took 0.34 s of its ~1.9 s load)
@@ -509,8 +511,12 @@ def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
     wtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
     wbuf = buf.view(wtype)
     views = [{"d": None, "m": None} for _ in weights]
-    o = 0
+    o, last = 0, -1
     for (i, name, t), nbytes in zip(parts, sizes):
+        if i != last:  # a new weight's piece; zero the padding of the one before
+            if last >= 0:
+                buf[:, o:piece * i].zero_()
+            o, last = piece * i, i
         r0 = 0
         for src in groups[i]:
             part = getattr(src, name).contiguous().view(torch.uint8).view(src.rows, nbytes)
@@ -518,6 +524,7 @@ def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
             r0 += src.rows
         views[i][name] = buf[:, o:o + nbytes].view(t.dtype)
         o += nbytes
+    buf[:, o:].zero_()
     return buf, [QWeight(w.fmt, rows, w.cols, v["qs"], v["d"], v["m"]) for w, v in zip(weights, views)]
 
 
