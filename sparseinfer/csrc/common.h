@@ -101,8 +101,9 @@ typedef struct {
     uint64_t (*read_sum)(const uint8_t *p, int64_t nbytes);
     /* v[i] = act(v[i]) in place (ACT_* code) */
     void (*act)(int act, float *v, int64_t n);
-    /* the neuron-record pass (ops.c) prefetches whole records a block ahead (1) or only their
-     * first cache line (0); measured per level, see rec_prefetch */
+    /* the neuron-record pass (ops.c) prefetches whole records a block ahead (1) or leaves the
+     * reads to the dot tiles' and the axpy's own prefetches (0); measured per level, see
+     * rec_prefetch */
     int rec_prefetch_whole;
     /* single-token attention of up to SI_ATT_MAXG query heads over one KV head (see
      * si_attend_heads_avx2 below) for head sizes D that are multiples of attend_w; NULL: the

@@ -576,8 +576,9 @@ void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, 
 /* One pass over the candidate neurons when each neuron's first (gate) row, second (up) row and
  * down_t row, scales included, lie in one contiguous record (the three weights are row views
  * with one common stride; SparseFFN's `records`).  Random reads of ~1 KB pieces (a row, then
- * its scales elsewhere) run at ~10 GB/s on 2 threads here, whole 3.5 KB records at ~19, so
- * the pass starts the reads of the records a block ahead and then computes, per block of neurons:
+ * its scales elsewhere) run at ~10 GB/s on 2 threads here, whole 3.5 KB records at ~19 (and
+ * ~27 read 8 at a time, as the one-token tiles and the axpy read them), so the pass computes,
+ * per block of neurons (see rec_prefetch for what it reads ahead):
  * first rows, activation, keep |a| > threshold, second rows of the kept, h, and their down_t
  * rows into a partial sum.  The candidate list is cut into partitions as a function of n only
  * (each summed in order by one thread, partials added in partition order), so results do not
@@ -638,19 +639,20 @@ typedef struct {
     int32_t pair_step;
 } rec_ctx;
 
-/* Start the reads of the next records.  With the AVX-512 kernels, prefetching whole records
- * (45 lines each for a 1536-wide q4 FFN) a block ahead filled the miss buffers and stalled
- * the computation behind them; touching the first line of each record starts the DRAM
- * access and the L2 streamer follows the rest of the contiguous record (records pass at
- * active fraction 0.1, builds alternated: 4.5 -> 5.0-5.3x faster than dense for 8960x1536
- * q4, 5.1-5.4 -> 6.5-6.8x for 11008x4096).  The slower AVX2 kernels, on the same machine,
- * do better with whole records on the 1536-wide shape (3.8-4.0x vs 3.1-3.2x; 4.2-4.3x vs
- * 4.7-5.0x on the 4096-wide one), so each level says which it takes. */
+/* Start the reads of the next records (levels with rec_prefetch_whole: whole records a block
+ * ahead).  The AVX2 kernels do better with whole records (1536-wide q4 FFN at active fraction
+ * 0.1: 3.8-4.0x faster than dense vs 3.1-3.2x with first lines only).  The AVX-512 kernels
+ * prefetch nothing here: whole records filled the miss buffers and stalled the computation
+ * behind them; touching each record's first line a block ahead helped while the dot tiles
+ * read 4 rows at a time, but with 8-row tiles (their own prefetch one tile ahead) and blocks
+ * of 128 the touches only stalled on full fill buffers (~11% of the pass in `perf`), and
+ * dropping them took the pass at 0.1 from 141 to 138 us (8960x1536 q4), 387 to 366 us
+ * (11008x4096), q8 -1%, at 0.25 and 0.5 -3% (alternated in one process). */
 static void rec_prefetch(const rec_ctx *a, const int32_t *rows, int64_t n) {
-    const int64_t step = a->k->rec_prefetch_whole ? 64 : a->rec_bytes;
+    if (!a->k->rec_prefetch_whole) return;
     for (int64_t j = 0; j < n; j++) {
         const char *p = (const char *)(a->rec + (int64_t)rows[j] * a->rec_bytes);
-        for (int64_t o = 0; o < a->rec_bytes; o += step) __builtin_prefetch(p + o, 0, 2);
+        for (int64_t o = 0; o < a->rec_bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
     }
 }
 
