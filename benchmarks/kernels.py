@@ -415,10 +415,12 @@ def write_markdown(path, b: Bench, meta):
         f"Read-bandwidth probe (C, {meta['threads']} threads, 2 GiB, re-measured before each format, best kept): "
         f"**{b.probe:.1f} GB/s** (all: {', '.join(f'{g:.1f}' for g in b.probes)}).  ",
         f"Working set per measurement >= {b.args.working_set / 1e9:.1f} GB (copies rotated; last-level cache "
-        f"{meta.get('llc') or llc_text()}).  A sparse kernel at active fraction f touches only f of it per pass: when that is "
-        "not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 `gemv_rows` at 0.1 "
-        "read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so quote sparse "
-        "speedups from full runs.  ",
+        f"{meta.get('llc') or llc_text()}).  A sparse kernel at active fraction f touches only f of it per pass, "
+        + ("so every timed pass starts after reading a buffer twice the size of the last-level cache: sparse passes "
+           "read from DRAM, not from what the previous pass left in cache.  " if meta.get("flush") else
+           "when that is not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 "
+           "`gemv_rows` at 0.1 read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so "
+           "quote sparse speedups from full runs.  "),
         "Integer weights are laid out " + {
             "rows": "with each row's scales (and mins) just before its values (`cpu.interleave_rows`), "
                     "dense and sparse alike.  ",
@@ -612,7 +614,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(), "llc": llc_text(),
             "load0": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv,
-            "working_set": args.working_set, "layout": args.layout, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "working_set": args.working_set, "layout": args.layout, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "flush": True}
     b = Bench(args)
     log(f"{meta['cpu']}: kernels {meta['simd']}, {args.threads} threads, load {meta['load0']:.1f}")
     b.reprobe()
