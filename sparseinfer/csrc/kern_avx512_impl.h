@@ -412,6 +412,66 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+/* q6_tile for one token and up to 8 rows, each row's work done in turn (8 rows' unpacked
+ * values would not fit the registers): the same operations per row, so the same results. */
+AI void q6_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, float *res) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *qp[8];
+    const uint16_t *dp[8];
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        dp[r] = w->d + rr[r] * w->ds;
+        acc[r] = _mm512_setzero_ps();
+    }
+    const uint8_t *pf[8];
+    prefetch_next(w, rn, R, pf);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i rot_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), rot_hi = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
+    const __m512i ilo = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i ihi = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+    for (int64_t g = 0; g < ng; g++) {
+        const int8_t *xb = xq->q + 128 * g;
+        __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
+        __m512 de = _mm512_loadu_ps(xq->de + 16 * g);
+        __m512i nl = _mm512_sub_epi32(z, DP512(z, c32, xl)), nh = _mm512_sub_epi32(z, DP512(z, c32, xh));
+        for (int r = 0; r < R; r++) {
+            pfx((const char *)(pf[r] + 96 * g));
+            pfx((const char *)(pf[r] + 96 * g + 64));
+            const uint8_t *gp = qp[r] + 96 * g;
+            __m512i v = _mm512_loadu_si512(gp);
+            __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(gp + 64)));
+            __m512i wl = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_rolv_epi64(hb, rot_lo), m30));
+            __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                         _mm512_and_si512(_mm512_rolv_epi64(hb, rot_hi), m30));
+            __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp[r] + 8 * g))));
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(DP512(nl, wl, xl)), _mm512_permutexvar_ps(ilo, d8));
+            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(DP512(nh, wh, xh)), _mm512_permutexvar_ps(ihi, d8), f);
+            acc[r] = _mm512_fmadd_ps(f, de, acc[r]);
+        }
+    }
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    const __m256i m30y = _mm256_set1_epi8(0x30), c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
+    const __m256i rot_t = _mm256_set_epi64x(62, 0, 2, 4);
+    for (int64_t b = 4 * ng; b < nb; b++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *tp = qp[r] + 96 * ng + 24 * (b - 4 * ng);
+            __m128i v = _mm_loadu_si128((const __m128i *)tp);
+            int64_t h8;
+            memcpy(&h8, tp + 16, 8);
+            __m256i wv = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x)),
+                                         _mm256_and_si256(_mm256_rolv_epi64(_mm256_set1_epi64x(h8), rot_t), m30y));
+            __m256 dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(dp[r][2 * b + 1])), _mm_set1_ps(_cvtsh_ss(dp[r][2 * b])));
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + 32 * b));
+            __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
+            __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(xq->d[b]));
+            acc[r] = _mm512_add_ps(acc[r], zext256(f));
+        }
+    }
+    for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
 #define TILE_FN(name, tile, R, T) \
     static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
         tile(w, rr, rn, xq, R, T, res); }
@@ -430,6 +490,7 @@ TILE_FN(q4_1x4, q4_tile, 1, 4)
 TILE1_FN(q4_1x1, q4_tile1, 1)
 TILE8_FN(q4_8x1, q4_tile1)
 TILE8_FN(q8_8x1, q8_tile1)
+TILE8_FN(q6_8x1, q6_tile1)
 TILE_FN(q4_4x2, q4_tile, 4, 2)
 TILE_FN(q4_1x2, q4_tile, 1, 2)
 TILE_FN(q8_4x4, q8_tile, 4, 4)
@@ -474,12 +535,15 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
     const qtile_fn(*tiles)[3] = QTILES[w->fmt - FMT_Q8];
     const int P = xq->pair ? 1 : 0;
-    if (T == 1 && !P && (w->fmt == FMT_Q4 || w->fmt == FMT_Q8) && i1 - i0 >= 16) {
-        /* one token: tiles of 8 rows, each from its own eighth of [i0, i1), so that a core
-         * reads 8 row streams at once.  Against 4 (the quarters of walk_pos), alternated in one
-         * process, 2 threads, q4 8960x1536: gemv_rows at active fraction 0.1 73 -> 66 us, the
-         * records pass 167 -> 161 us, dense gemv equal; 11008x4096 dense 965 -> 946 us. */
-        const tile8_fn fn8 = w->fmt == FMT_Q4 ? q4_8x1 : q8_8x1;
+    if (T == 1 && !P && rows && i1 - i0 >= 16) {
+        /* one token over gathered rows: tiles of 8 rows, each from its own eighth of [i0, i1),
+         * so that a core reads 8 scattered row streams at once.  Against 4 (the quarters of
+         * walk_pos), alternated in one process, 2 threads, at active fraction 0.1: q4
+         * 8960x1536 gemv_rows 73 -> 66 us, the records pass 167 -> 161 us; q8 gemv_rows
+         * 100 -> 94 us; q6 85 -> 79 us.  Dense rows stay on 4 streams: 8 read tall matrices
+         * slower (17920x1536 q4 508 -> 517 us, q8 871 -> 894 us; 151936x1536 q8 7.96 ->
+         * 8.34 ms, q6 6.48 -> 6.56 ms) and 8960x1536 the same. */
+        const tile8_fn fn8 = w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1;
         const int64_t q = (i1 - i0) / 8;
         for (int64_t j = 0; j < q; j++) {
             int64_t rr[8], rn[8];
