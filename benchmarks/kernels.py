@@ -415,10 +415,10 @@ def write_markdown(path, b: Bench, meta):
         f"Read-bandwidth probe (C, {meta['threads']} threads, 2 GiB, re-measured before each format, best kept): "
         f"**{b.probe:.1f} GB/s** (all: {', '.join(f'{g:.1f}' for g in b.probes)}).  ",
         f"Working set per measurement >= {b.args.working_set / 1e9:.1f} GB (copies rotated; last-level cache "
-        f"{meta.get('llc') or llc_text()}).  A sparse kernel at active fraction f touches only f of it per pass, "
-        + ("so every timed pass starts after reading a buffer twice the size of the last-level cache: sparse passes "
+        f"{meta.get('llc') or llc_text()}).  A sparse kernel at active fraction f touches only f of it per pass"
+        + (", so every timed pass starts after reading a buffer twice the size of the last-level cache: sparse passes "
            "read from DRAM, not from what the previous pass left in cache.  " if meta.get("flush") else
-           "when that is not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 "
+           ": when that is not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 "
            "`gemv_rows` at 0.1 read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so "
            "quote sparse speedups from full runs.  "),
         "Integer weights are laid out " + {
