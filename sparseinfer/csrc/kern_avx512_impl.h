@@ -69,16 +69,18 @@ AI __m512 expand8(__m128 v) {
 }
 AI __m512 zext256(__m256 v) { return _mm512_insertf32x8(_mm512_setzero_ps(), v, 0); }
 
-/* m-term: acc[r][t] += sum_b m[r][b] * s_t[b], 16 blocks per step. */
-AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const int R, const int T, __m512 acc[4][4]) {
+/* m-term: acc[r * as + t] += sum_b m[r][b] * s_t[b], 16 blocks per step (as: 4 for the
+ * [row][token] tiles, 1 for the one-token tiles' rows of up to 8). */
+AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const int R, const int T, __m512 *acc,
+              const int as) {
     const int64_t nb = w->nb;
     for (int64_t k = 0; k < nb; k += 16) {
         __mmask16 mk = nb - k >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - k)) - 1);
-        __m512 mv[4];
+        __m512 mv[8];
         for (int r = 0; r < R; r++) mv[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mp[r] + k));
         for (int t = 0; t < T; t++) {
             __m512 sv = _mm512_maskz_loadu_ps(mk, xq->s + t * xq->d_stride + k);
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(mv[r], sv, acc[r][t]);
+            for (int r = 0; r < R; r++) acc[r * as + t] = _mm512_fmadd_ps(mv[r], sv, acc[r * as + t]);
         }
     }
 }
@@ -88,16 +90,6 @@ AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const 
  * 0.1-0.25) and a little faster in axpy_rows; dense gemv unchanged (Xeon, AVX-512, 2
  * threads; docs/benchmarks.md, "Prefetch hint").  The matmul tiles and the neuron-record pass
  * (ops.c) keep T1: records measured no better with T0. */
-/* mterm() for one token and up to 8 rows (the same operations per row) */
-AI void mterm1(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const int R, __m512 *acc) {
-    const int64_t nb = w->nb;
-    for (int64_t k = 0; k < nb; k += 16) {
-        __mmask16 mk = nb - k >= 16 ? 0xFFFF : (__mmask16)((1u << (nb - k)) - 1);
-        __m512 sv = _mm512_maskz_loadu_ps(mk, xq->s + k);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mp[r] + k)), sv, acc[r]);
-    }
-}
-
 AI void pfx(const char *p) { _mm_prefetch(p, _MM_HINT_T0); }
 
 /* Software prefetch of the next tile's rows (the hardware prefetchers alone leave a core at
@@ -165,7 +157,7 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
             }
         }
     }
-    if (w->m) mterm(w, mp, xq, R, T, acc);
+    if (w->m) mterm(w, mp, xq, R, T, &acc[0][0], 4);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -223,7 +215,7 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
             }
         }
     }
-    if (w->m) mterm(w, mp, xq, R, T, acc);
+    if (w->m) mterm(w, mp, xq, R, T, &acc[0][0], 4);
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -279,7 +271,7 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             acc[r] = _mm512_add_ps(acc[r], zext256(f));
         }
     }
-    if (w->m) mterm1(w, mp, xq, R, acc);
+    if (w->m) mterm(w, mp, xq, R, 1, acc, 1);
     for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
@@ -328,7 +320,7 @@ AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             acc[r] = _mm512_add_ps(acc[r], zext256(f));
         }
     }
-    if (w->m) mterm1(w, mp, xq, R, acc);
+    if (w->m) mterm(w, mp, xq, R, 1, acc, 1);
     for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
@@ -341,6 +333,37 @@ AI void q8_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
  * Products: sum (q - 32) x = sum q x - 32 sum x; the second sum is the same for every row, so
  * each token's dot-product accumulator starts at -32 sum x.  Per 64-value half (sub-blocks
  * with their own scales): f = p_lo * d_lo + p_hi * d_hi, then acc += f * d_x. */
+
+/* One q6 group of 4 blocks (96 bytes at gp, its 8 scales at dg) unpacked: codes of the low
+ * and high 64-value halves (wl, wh) and their scales spread over the dot-product lanes. */
+AI void q6_group(const uint8_t *gp, const uint16_t *dg, __m512i *wl, __m512i *wh, __m512 *dl, __m512 *dh) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i rot_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), rot_hi = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
+    const __m512i ilo = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i ihi = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+    __m512i v = _mm512_loadu_si512(gp);
+    __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(gp + 64)));
+    *wl = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_rolv_epi64(hb, rot_lo), m30));
+    *wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_rolv_epi64(hb, rot_hi), m30));
+    __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dg)));
+    *dl = _mm512_permutexvar_ps(ilo, d8);
+    *dh = _mm512_permutexvar_ps(ihi, d8);
+}
+
+/* A block after the last full group (16 nibble bytes + 8 bytes of high parts at tp: value j in
+ * byte j % 8, field j / 8; 64-bit lane c of the 32 values holds values 8c..8c+7, field c): its
+ * 32 codes and its two scales (ds: the row's scales, b: the block). */
+AI void q6_tail_block(const uint8_t *tp, const uint16_t *ds, int64_t b, __m256i *wv, __m256 *dv) {
+    const __m128i m4x = _mm_set1_epi8(0x0F);
+    const __m256i m30y = _mm256_set1_epi8(0x30), rot_t = _mm256_set_epi64x(62, 0, 2, 4);
+    __m128i v = _mm_loadu_si128((const __m128i *)tp);
+    int64_t h8;
+    memcpy(&h8, tp + 16, 8);
+    *wv = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x)),
+                          _mm256_and_si256(_mm256_rolv_epi64(_mm256_set1_epi64x(h8), rot_t), m30y));
+    *dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(ds[2 * b + 1])), _mm_set1_ps(_cvtsh_ss(ds[2 * b])));
+}
+
 AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
     const int64_t nb = w->nb, ng = nb >> 2;
     const uint8_t *qp[4];
@@ -353,26 +376,14 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
     }
     const uint8_t *pf[4];
     prefetch_next(w, rn, R, pf);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
-    const __m512i z = _mm512_setzero_si512();
-    const __m512i rot_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), rot_hi = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
-    const __m512i ilo = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i ihi = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+    const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
     for (int64_t g = 0; g < ng; g++) {
         __m512i wl[4], wh[4];
         __m512 dl[4], dh[4];
         for (int r = 0; r < R; r++) {
             pfx((const char *)(pf[r] + 96 * g));
             pfx((const char *)(pf[r] + 96 * g + 64));
-            const uint8_t *gp = qp[r] + 96 * g;
-            __m512i v = _mm512_loadu_si512(gp);
-            __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(gp + 64)));
-            wl[r] = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_rolv_epi64(hb, rot_lo), m30));
-            wh[r] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
-                                    _mm512_and_si512(_mm512_rolv_epi64(hb, rot_hi), m30));
-            __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp[r] + 8 * g))));
-            dl[r] = _mm512_permutexvar_ps(ilo, d8);
-            dh[r] = _mm512_permutexvar_ps(ihi, d8);
+            q6_group(qp[r] + 96 * g, dp[r] + 8 * g, &wl[r], &wh[r], &dl[r], &dh[r]);
         }
         for (int t = 0; t < T; t++) {
             const int8_t *xb = xq->q + t * xq->q_stride + 128 * g;
@@ -386,20 +397,13 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
             }
         }
     }
-    /* blocks after the last full group: 16 nibble bytes + 8 bytes of high parts (value j in
-     * byte j % 8, field j / 8: 64-bit lane c of the 32 values holds values 8c..8c+7, field c) */
-    const __m128i m4x = _mm_set1_epi8(0x0F);
-    const __m256i m30y = _mm256_set1_epi8(0x30), c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
-    const __m256i rot_t = _mm256_set_epi64x(62, 0, 2, 4);
+    /* blocks after the last full group */
+    const __m256i c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
     for (int64_t b = 4 * ng; b < nb; b++) {
         for (int r = 0; r < R; r++) {
-            const uint8_t *tp = qp[r] + 96 * ng + 24 * (b - 4 * ng);
-            __m128i v = _mm_loadu_si128((const __m128i *)tp);
-            int64_t h8;
-            memcpy(&h8, tp + 16, 8);
-            __m256i wv = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x)),
-                                         _mm256_and_si256(_mm256_rolv_epi64(_mm256_set1_epi64x(h8), rot_t), m30y));
-            __m256 dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(dp[r][2 * b + 1])), _mm_set1_ps(_cvtsh_ss(dp[r][2 * b])));
+            __m256i wv;
+            __m256 dv;
+            q6_tail_block(qp[r] + 96 * ng + 24 * (b - 4 * ng), dp[r], b, &wv, &dv);
             for (int t = 0; t < T; t++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
                 __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
@@ -426,11 +430,7 @@ AI void q6_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
     }
     const uint8_t *pf[8];
     prefetch_next(w, rn, R, pf);
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
-    const __m512i z = _mm512_setzero_si512();
-    const __m512i rot_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), rot_hi = _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0);
-    const __m512i ilo = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i ihi = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+    const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
     for (int64_t g = 0; g < ng; g++) {
         const int8_t *xb = xq->q + 128 * g;
         __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
@@ -439,30 +439,20 @@ AI void q6_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
         for (int r = 0; r < R; r++) {
             pfx((const char *)(pf[r] + 96 * g));
             pfx((const char *)(pf[r] + 96 * g + 64));
-            const uint8_t *gp = qp[r] + 96 * g;
-            __m512i v = _mm512_loadu_si512(gp);
-            __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(gp + 64)));
-            __m512i wl = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_rolv_epi64(hb, rot_lo), m30));
-            __m512i wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
-                                         _mm512_and_si512(_mm512_rolv_epi64(hb, rot_hi), m30));
-            __m512 d8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp[r] + 8 * g))));
-            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(DP512(nl, wl, xl)), _mm512_permutexvar_ps(ilo, d8));
-            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(DP512(nh, wh, xh)), _mm512_permutexvar_ps(ihi, d8), f);
+            __m512i wl, wh;
+            __m512 dl, dh;
+            q6_group(qp[r] + 96 * g, dp[r] + 8 * g, &wl, &wh, &dl, &dh);
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(DP512(nl, wl, xl)), dl);
+            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(DP512(nh, wh, xh)), dh, f);
             acc[r] = _mm512_fmadd_ps(f, de, acc[r]);
         }
     }
-    const __m128i m4x = _mm_set1_epi8(0x0F);
-    const __m256i m30y = _mm256_set1_epi8(0x30), c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
-    const __m256i rot_t = _mm256_set_epi64x(62, 0, 2, 4);
+    const __m256i c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
     for (int64_t b = 4 * ng; b < nb; b++) {
         for (int r = 0; r < R; r++) {
-            const uint8_t *tp = qp[r] + 96 * ng + 24 * (b - 4 * ng);
-            __m128i v = _mm_loadu_si128((const __m128i *)tp);
-            int64_t h8;
-            memcpy(&h8, tp + 16, 8);
-            __m256i wv = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x)),
-                                         _mm256_and_si256(_mm256_rolv_epi64(_mm256_set1_epi64x(h8), rot_t), m30y));
-            __m256 dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(dp[r][2 * b + 1])), _mm_set1_ps(_cvtsh_ss(dp[r][2 * b])));
+            __m256i wv;
+            __m256 dv;
+            q6_tail_block(qp[r] + 96 * ng + 24 * (b - 4 * ng), dp[r], b, &wv, &dv);
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + 32 * b));
             __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
             __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(xq->d[b]));

@@ -680,14 +680,13 @@ static void rec_task(void *p, int64_t c) {
     int32_t kr[REC_FLUSH], vr[2 * REC_BLOCK];
     int64_t kept = 0, q = 0;
     const int64_t blk = a->k->rec_prefetch_whole ? REC_BLOCK_WHOLE : REC_BLOCK;
+    const int paired = a->pair_step != 0; /* gate and up rows of a block in one dot */
     rec_prefetch(a, a->rows + j0, j1 - j0 < REC_AHEAD * blk ? j1 - j0 : REC_AHEAD * blk);
     for (int64_t jb = j0; jb < j1; jb += blk) {
         const int64_t nb = j1 - jb < blk ? j1 - jb : blk;
         const int32_t *rows = a->rows + jb;
         const int64_t pf = jb + REC_AHEAD * blk;
         if (pf < j1) rec_prefetch(a, a->rows + pf, j1 - pf < blk ? j1 - pf : blk);
-        /* gate and up rows of the block in one dot when every candidate is kept */
-        const int paired = a->pair_step && a->thr < 0.0f;
         if (paired) {
             for (int64_t i = 0; i < nb; i++) {
                 vr[2 * i] = rows[i] * a->pair_step;
@@ -783,8 +782,8 @@ int64_t si_sparse_records(const uint8_t *rec, int act, int relu_up, const qmat_t
     int64_t kept[REC_MAX_PARTS];
     rec_ctx a = {k, act, relu_up, first, second, down_t, fb, sb, &xf, pxs, x, rows, n, nparts, thr,
                  rec, first->row_bytes, part, kept};
-    a.pair_step = 0;
-    if (second && second->fmt == first->fmt && second->cols == first->cols && pxs == &xf) {
+    a.pair_step = 0; /* pairs only when every candidate is kept (thr < 0), see rec_ctx.pair */
+    if (thr < 0.0f && second && second->fmt == first->fmt && second->cols == first->cols && pxs == &xf) {
         const int64_t P = second->qs - first->qs;
         if (P > 0 && P % 2 == 0 && first->row_bytes % P == 0 && (const uint8_t *)second->d - (const uint8_t *)first->d == P &&
             (!first->m || (const uint8_t *)second->m - (const uint8_t *)first->m == P)) {
