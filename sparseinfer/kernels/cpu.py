@@ -498,33 +498,28 @@ def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
     # both layouts alternated in one process, -3% (8960x1536), -5% (11008x4096), q8 -1%.
     # Each weight's piece starts on a 64-byte line, one common piece size apart, so that the
     # records pass can read a neuron's gate and up rows as one stream (ops.c, rec_ctx.pair).
-    parts = [(i, name, getattr(w, name)) for i, w in enumerate(weights) for name in ("d", "m", "qs")
-             if getattr(w, name) is not None]
-    sizes = [t.shape[1] * t.element_size() for _, _, t in parts]
-    piece = max(sum(n for (i, _, _), n in zip(parts, sizes) if i == k) for k in range(len(weights)))
-    piece = (piece + 63) // 64 * 64
+    pieces = [[(name, t, t.shape[1] * t.element_size()) for name in ("d", "m", "qs")
+               if (t := getattr(w, name)) is not None] for w in weights]
+    piece = (max(sum(n for *_, n in ps) for ps in pieces) + 63) // 64 * 64
     buf = empty_hugepages((rows, piece * len(weights)))
     # copy in the widest words that every piece's offset and size allow: a strided copy of
     # bytes moved ~2 GB/s here, of 8-byte words ~10 (Qwen2.5-1.5B's 200 MB output projection
     # took 0.34 s of its ~1.9 s load)
-    word = next(e for e in (8, 4, 2, 1) if all(n % e == 0 for n in sizes))
+    word = next(e for e in (8, 4, 2, 1) if all(n % e == 0 for ps in pieces for *_, n in ps))
     wtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
     wbuf = buf.view(wtype)
     views = [{"d": None, "m": None} for _ in weights]
-    o, last = 0, -1
-    for (i, name, t), nbytes in zip(parts, sizes):
-        if i != last:  # a new weight's piece; zero the padding of the one before
-            if last >= 0:
-                buf[:, o:piece * i].zero_()
-            o, last = piece * i, i
-        r0 = 0
-        for src in groups[i]:
-            part = getattr(src, name).contiguous().view(torch.uint8).view(src.rows, nbytes)
-            wbuf[r0:r0 + src.rows, o // word:(o + nbytes) // word].copy_(part.view(wtype))
-            r0 += src.rows
-        views[i][name] = buf[:, o:o + nbytes].view(t.dtype)
-        o += nbytes
-    buf[:, o:].zero_()
+    for i, ps in enumerate(pieces):
+        o = piece * i
+        for name, t, nbytes in ps:
+            r0 = 0
+            for src in groups[i]:
+                part = getattr(src, name).contiguous().view(torch.uint8).view(src.rows, nbytes)
+                wbuf[r0:r0 + src.rows, o // word:(o + nbytes) // word].copy_(part.view(wtype))
+                r0 += src.rows
+            views[i][name] = buf[:, o:o + nbytes].view(t.dtype)
+            o += nbytes
+        buf[:, o:piece * (i + 1)].zero_()  # the piece's padding
     return buf, [QWeight(w.fmt, rows, w.cols, v["qs"], v["d"], v["m"]) for w, v in zip(weights, views)]
 
 
