@@ -39,16 +39,18 @@ MODELS = {"qwen2.5-1.5b": (8960, 1536), "llama-7b": (11008, 4096)}
 
 
 def llc_bytes() -> int:
-    """Size of the last-level cache (Linux sysfs), or 0 when unknown."""
+    """Size of the last-level cache as sysfs reports it (Linux), or 0 when unknown."""
     try:
-        sizes = []
         base = "/sys/devices/system/cpu/cpu0/cache"
-        for idx in os.listdir(base):
-            with open(os.path.join(base, idx, "size")) as f:
-                v = f.read().strip()
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(v[-1:], 1)
-            sizes.append(int(v.rstrip("KMG")) * mult)
-        return max(sizes)
+        caches = []
+        for d in os.listdir(base):
+            if d.startswith("index"):
+                with open(os.path.join(base, d, "level")) as f:
+                    level = int(f.read())
+                with open(os.path.join(base, d, "size")) as f:
+                    v = f.read().strip()
+                caches.append((level, int(v.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(v[-1], 0)))
+        return max(caches)[1] if caches else 0
     except (OSError, ValueError):
         return 0
 
@@ -369,23 +371,9 @@ NOTES = """
 
 
 def llc_text() -> str:
-    """Size of the last-level cache as sysfs reports it (Linux), else 'unknown'."""
-    try:
-        base = "/sys/devices/system/cpu/cpu0/cache"
-        sizes = []
-        for d in sorted(os.listdir(base)):
-            if d.startswith("index"):
-                with open(os.path.join(base, d, "level")) as f:
-                    level = int(f.read())
-                with open(os.path.join(base, d, "size")) as f:
-                    sizes.append((level, f.read().strip()))
-        if not sizes:
-            return "unknown"
-        v = max(sizes)[1]
-        kb = int(v[:-1]) * (1024 if v.endswith("M") else 1) if v[-1] in "KM" else int(v) // 1024
-        return f"{kb / 1024:.0f} MB" if kb >= 1024 else f"{kb} KB"
-    except (OSError, ValueError):
-        return "unknown"
+    """Size of the last-level cache (`llc_bytes`) for the report, else 'unknown'."""
+    n = llc_bytes()
+    return "unknown" if not n else f"{n / (1 << 20):.0f} MB" if n >= 1 << 20 else f"{n >> 10} KB"
 
 
 def log(msg):
