@@ -847,3 +847,15 @@ def test_interleave_head_keeps_logits_and_the_tied_embedding(level):
             assert head.weight.qs.untyped_storage().data_ptr() == head.weight.d.untyped_storage().data_ptr()
         assert torch.equal(head(x), want_y)
         assert torch.equal(embed(toks), want_e)
+
+
+def test_read_rows_probe_modes():
+    """The benchmark's random-row probe (`read_rows_seconds`): every read pattern (one row after
+    another with or without software prefetch, 8 rows at a time) runs over the given rows, also
+    when their count is not a multiple of 8, and bad arguments are refused."""
+    buf = torch.ones(64 * 100, dtype=torch.uint8)
+    rows = torch.tensor([0, 3, 4, 9, 17, 40, 41, 77, 98, 99, 12], dtype=torch.int32)
+    for mode in (0, 1, 2):
+        assert cpu._cpu.read_rows_seconds(buf.data_ptr(), 64, rows.data_ptr(), rows.numel(), 2, mode) > 0
+    with pytest.raises(ValueError):
+        cpu._cpu.read_rows_seconds(buf.data_ptr(), 0, rows.data_ptr(), rows.numel(), 1, 2)
