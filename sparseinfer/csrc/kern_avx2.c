@@ -77,11 +77,11 @@ static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
 /* ------------------------------------------------------------------ integer dot tiles */
 
 AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const int R, const int T,
-              __m256 acc[4][4], float tail[4][4]) {
+              __m256 (*acc)[4], float (*tail)[4]) {
     const int64_t nb = w->nb;
     int64_t k = 0;
     for (; k + 8 <= nb; k += 8) {
-        __m256 mv[4];
+        __m256 mv[8];
         for (int r = 0; r < R; r++) mv[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp[r] + k)));
         for (int t = 0; t < T; t++) {
             __m256 sv = _mm256_loadu_ps(xq->s + t * xq->d_stride + k);
@@ -93,26 +93,34 @@ AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const 
             for (int t = 0; t < T; t++) tail[r][t] += _cvtsh_ss(mp[r][k]) * xq->s[t * xq->d_stride + k];
 }
 
-/* Prefetch (into L2) the next tile's rows: scales now, data one line per line consumed. */
-AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uint8_t **pf) {
+/* Software prefetch of a line: into L2 (T1) for the 4-row tiles, into L1 (T0) for the
+ * one-token 8-row tiles (see dot_q) */
+AI void pfh(const char *p, const int t0) {
+    if (t0) _mm_prefetch(p, _MM_HINT_T0);
+    else _mm_prefetch(p, _MM_HINT_T1);
+}
+
+/* Prefetch the next tile's rows: scales now, data one line per line consumed. */
+AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uint8_t **pf, const int t0) {
     for (int r = 0; r < R; r++) {
         pf[r] = w->qs + rn[r] * w->row_bytes;
         if (w->d) {
             const char *d = (const char *)(w->d + rn[r] * w->ds), *m = w->m ? (const char *)(w->m + rn[r] * w->ds) : NULL;
             for (int64_t o = 0; o < w->nd * 2 + 63; o += 64) {
-                _mm_prefetch(d + o, _MM_HINT_T1);
-                if (m) _mm_prefetch(m + o, _MM_HINT_T1);
+                pfh(d + o, t0);
+                if (m) pfh(m + o, t0);
             }
         }
     }
 }
 
-AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
+AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T,
+             const int t0, float (*res)[4]) {
     const int64_t nb = w->nb, ng = nb >> 2;
-    const uint8_t *qp[4];
-    const uint16_t *dp[4], *mp[4];
-    __m256 acc[4][4];
-    float tail[4][4];
+    const uint8_t *qp[8];
+    const uint16_t *dp[8], *mp[8];
+    __m256 acc[8][4];
+    float tail[8][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
         dp[r] = w->d + rr[r] * w->ds;
@@ -122,16 +130,16 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
             tail[r][t] = 0.0f;
         }
     }
-    const uint8_t *pf[4];
-    prefetch_next(w, rn, R, pf);
+    const uint8_t *pf[8];
+    prefetch_next(w, rn, R, pf, t0);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i ia = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), ib = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     for (int64_t g = 0; g < ng; g++) {
         for (int h = 0; h < 2; h++) {
-            __m256i lo[4], hi[4];
-            __m256 dw[4];
+            __m256i lo[8], hi[8];
+            __m256 dw[8];
             for (int r = 0; r < R; r++) {
-                if (!h) _mm_prefetch((const char *)(pf[r] + 64 * g), _MM_HINT_T1);
+                if (!h) pfh((const char *)(pf[r] + 64 * g), t0);
                 __m256i v = _mm256_loadu_si256((const __m256i *)(qp[r] + 64 * g + 32 * h));
                 lo[r] = _mm256_and_si256(v, m4);
                 hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -168,12 +176,13 @@ AI void q4_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]) + tail[r][t];
 }
 
-AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
+AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T,
+             const int t0, float (*res)[4]) {
     const int64_t nb = w->nb;
-    const uint8_t *qp[4];
-    const uint16_t *dp[4], *mp[4];
-    __m256 acc[4][4];
-    float tail[4][4];
+    const uint8_t *qp[8];
+    const uint16_t *dp[8], *mp[8];
+    __m256 acc[8][4];
+    float tail[8][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
         dp[r] = w->d + rr[r] * w->ds;
@@ -183,13 +192,13 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
             tail[r][t] = 0.0f;
         }
     }
-    const uint8_t *pf[4];
-    prefetch_next(w, rn, R, pf);
+    const uint8_t *pf[8];
+    prefetch_next(w, rn, R, pf, t0);
     for (int64_t b = 0; b < nb; b++) {
-        __m256i wa[4], ws[4];
-        float dw[4];
+        __m256i wa[8], ws[8];
+        float dw[8];
         for (int r = 0; r < R; r++) {
-            if (!(b & 1)) _mm_prefetch((const char *)(pf[r] + 32 * b), _MM_HINT_T1);
+            if (!(b & 1)) pfh((const char *)(pf[r] + 32 * b), t0);
             ws[r] = _mm256_loadu_si256((const __m256i *)(qp[r] + 32 * b));
             wa[r] = _mm256_abs_epi8(ws[r]);
             dw[r] = _cvtsh_ss(dp[r][b]);
@@ -210,30 +219,31 @@ AI void q8_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
 
 /* q6: see kern_avx512_impl.h.  Half h of a group (32 nibble bytes) takes field h of the 32
  * high-part bytes for its low nibbles and field 2 + h for its high nibbles: one shift each. */
-AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
+AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T,
+             const int t0, float (*res)[4]) {
     const int64_t nb = w->nb, ng = nb >> 2;
-    const uint8_t *qp[4];
-    const uint16_t *dp[4];
-    __m256 acc[4][4];
+    const uint8_t *qp[8];
+    const uint16_t *dp[8];
+    __m256 acc[8][4];
     for (int r = 0; r < R; r++) {
         qp[r] = w->qs + rr[r] * w->row_bytes;
         dp[r] = w->d + rr[r] * w->ds;
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
     }
-    const uint8_t *pf[4];
-    prefetch_next(w, rn, R, pf);
+    const uint8_t *pf[8];
+    prefetch_next(w, rn, R, pf, t0);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
     const __m256i z = _mm256_setzero_si256();
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *gq[4];
+        const uint8_t *gq[8];
         for (int r = 0; r < R; r++) {
             gq[r] = qp[r] + 96 * g;
-            _mm_prefetch((const char *)(pf[r] + 96 * g), _MM_HINT_T1);
-            _mm_prefetch((const char *)(pf[r] + 96 * g + 64), _MM_HINT_T1);
+            pfh((const char *)(pf[r] + 96 * g), t0);
+            pfh((const char *)(pf[r] + 96 * g + 64), t0);
         }
         for (int h = 0; h < 2; h++) {
-            __m256i wl[4], wh[4];
-            __m256 dl[4], dh[4];
+            __m256i wl[8], wh[8];
+            __m256 dl[8], dh[8];
             const __m256i il = h ? _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6) : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
             const __m256i ih = _mm256_add_epi32(il, _mm256_set1_epi32(1));
             for (int r = 0; r < R; r++) {
@@ -287,7 +297,16 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
 
 #define TILE_FN(name, tile, R, T) \
     static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
-        tile(w, rr, rn, xq, R, T, res); }
+        tile(w, rr, rn, xq, R, T, 0, res); }
+/* one token, 8 rows, prefetch into L1 (dot_q's one-token walk over gathered rows) */
+#define TILE8_FN(name, tile) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float *res) { \
+        float o[8][4]; \
+        tile(w, rr, rn, xq, 8, 1, 1, o); \
+        for (int r = 0; r < 8; r++) res[r] = o[r][0]; }
+TILE8_FN(q4_8x1, q4_tile)
+TILE8_FN(q8_8x1, q8_tile)
+TILE8_FN(q6_8x1, q6_tile)
 TILE_FN(q4_4x4, q4_tile, 4, 4)
 TILE_FN(q4_4x1, q4_tile, 4, 1)
 TILE_FN(q4_1x4, q4_tile, 1, 4)
@@ -308,6 +327,7 @@ TILE_FN(q6_4x2, q6_tile, 4, 2)
 TILE_FN(q6_1x2, q6_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
+typedef void (*tile8_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float *);
 /* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1) */
 static const qtile_fn QTILES[3][2][3] = {
     {{q8_4x4, q8_4x2, q8_4x1}, {q8_1x4, q8_1x2, q8_1x1}},
@@ -331,6 +351,36 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
     const qtile_fn(*tiles)[3] = QTILES[w->fmt - FMT_Q8];
     const int P = xq->pair ? 1 : 0;
+    if (T == 1 && !P && rows && i1 - i0 >= 16) {
+        /* one token over gathered rows: tiles of 8 rows, each from its own eighth of [i0, i1),
+         * the next tile prefetched into L1 (the 4-row tiles prefetch two tiles ahead into L2),
+         * as the AVX-512 kernels do.  Against the 4-row walk, alternated in one process on the
+         * Xeon of docs/benchmarks.md with SPARSEINFER_SIMD=avx2, 2 threads, 8960x1536 at
+         * active fraction 0.1 / 0.25: q4 gemv_rows 78 -> 66 / 156 -> 130 us (rows with their
+         * scales, `interleave_rows`; separate scales 96 -> 87 us), q8 111 -> 95 / 238 -> 199,
+         * q6 102 -> 89 / 208 -> 181; the neuron-record pass 192 -> 179 / 427 -> 413 us
+         * (bit-identical).  With the 8-row tiles prefetching into L2 (T1), q4 with separate
+         * scales went 91 -> 87 us only (T0: 79).  Not measured on an AVX2-only CPU. */
+        const tile8_fn fn8 = w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1;
+        const int64_t q = (i1 - i0) / 8;
+        for (int64_t j = 0; j < q; j++) {
+            int64_t rr[8], rn[8];
+            for (int r = 0; r < 8; r++) {
+                rr[r] = si_row(rows, i0 + r * q + j);
+                rn[r] = j + 1 < q ? si_row(rows, i0 + r * q + j + 1) : rr[r];
+            }
+            float res[8];
+            fn8(w, rr, rn, xq, res);
+            for (int r = 0; r < 8; r++) out->y[(i0 + r * q + j) * out->ysr] = res[r];
+        }
+        for (int64_t i = i0 + 8 * q; i < i1; i++) {
+            int64_t rr[4] = {si_row(rows, i)};
+            float res[4][4];
+            tiles[1][2](w, rr, rr, xq, res);
+            out->y[i * out->ysr] = res[0][0];
+        }
+        return;
+    }
     const walk_t wk = walk_init(i0, i1, T >> P);
     const int64_t ntiles = walk_tiles(&wk), nrest = (i1 - i0) - 4 * ntiles;
     for (int64_t j = 0; j < ntiles + nrest; j++) {
@@ -388,7 +438,7 @@ AI void f_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const floa
         for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
     }
     const uint8_t *pf[4];
-    prefetch_next(w, rn, R, pf);
+    prefetch_next(w, rn, R, pf, 0);
     const int esz = fmt == FMT_F32 ? 4 : 2;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {

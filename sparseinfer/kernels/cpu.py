@@ -482,7 +482,10 @@ def interleave_pays(w: QWeight) -> bool:
     0.99-1.04 ms; q8 and q6 were as fast or faster at every width measured).  The AVX2 kernels
     (same Xeon, `SPARSEINFER_SIMD=avx2`) gained nothing from it: dense gemv 294 vs 301 us,
     `gemv_rows` at 0.1 72 vs 74 us, Qwen2.5-1.5B decode 19.9-20.3 tok/s split vs 18.2-20.7 interleaved, while
-    the copy added ~0.5 s to its load."""
+    the copy added ~0.5 s to its load.  Since the AVX2 one-token tiles read 8 rows (2026-12-05)
+    `gemv_rows` at 0.1 takes 66 us interleaved against 87 split, but decode, whose sparse FFN
+    reads neuron records either way, moved little: dense 23.5-24.1 vs 23.0-23.3 tok/s, density
+    0.1 42.8-44.4 vs 42.7-45.5; kept split until measured on an AVX2-only CPU."""
     return (w.fmt in ("q4", "q8", "q6") and w.qs.is_cpu and (w.fmt != "q4" or w.cols <= 4096)
             and available() and simd_level().startswith("avx512"))
 
