@@ -482,12 +482,19 @@ def write_markdown(path, b: Bench, meta):
         key = ("read_records_probe" if r["kernel"] == "sparse_ffn_records" else "read_rows_probe",
                r["format"], r["rows"], r["cols"])
         if key in probes:
+            # the speedup a kernel reading these rows at the probe's speed, with no compute, would
+            # have over the dense gemv: what the memory system allows at this fraction
+            sp = 1 / r["vs_dense"]
             vs.append(f"| {r['rows']}x{r['cols']} | {r['format']} | {r['kernel']} | {r['gbps']:.1f} | "
-                      f"{probes[key]:.1f} | {100 * r['gbps'] / probes[key]:.0f}% |")
+                      f"{probes[key]:.1f} | {100 * r['gbps'] / probes[key]:.0f}% | {sp:.1f}x | "
+                      f"{sp * probes[key] / r['gbps']:.1f}x |")
     if vs:
         lines += ["", "At active fraction 0.1, against the random-row probe of the same row size (a neuron "
-                  "record: gate, up and down_t rows):", "",
-                  "| shape | format | kernel | GB/s | probe GB/s | % of probe |", "|---|---|---|---:|---:|---:|"] + vs
+                  "record: gate, up and down_t rows).  The last column is the speedup over dense that reading "
+                  "the active rows at the probe's speed, with no compute, would give: the memory system's "
+                  "bound for this pattern.", "",
+                  "| shape | format | kernel | GB/s | probe GB/s | % of probe | speedup | at the probe's speed |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"] + vs
     gm = [r for r in R if "tokens" in r]
     if gm:
         toks = sorted({r["tokens"] for r in gm})
