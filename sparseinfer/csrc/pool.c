@@ -1,11 +1,18 @@
 /* Persistent thread pool; see pool.h.
  *
- * Protocol: `ticket` packs (generation << 32 | next chunk).  The caller publishes a job by
- * writing fn/ctx/n and then a ticket with a new generation; every participant claims chunks
- * by CAS on the ticket, which fails once the generation moved on, so a worker that wakes up
- * late can never run a chunk of a finished job.  The caller waits until `completed == n`
- * before returning; the job's data stays valid until then.  A second caller that finds the
- * pool busy (another Python thread with the GIL released) runs its job alone. */
+ * Protocol: `ticket` packs (generation << 32 | next chunk).  The caller first closes the
+ * ticket under a new generation (chunk index CLOSED: nothing to claim), then writes
+ * fn/ctx/n, then opens the ticket (chunk 0).  Every participant claims chunks by CAS on a
+ * ticket of the generation whose fn/ctx/n it read, which fails once the generation moved on.
+ * So a worker that saw an old generation and then read fn/ctx/n while the caller was
+ * rewriting them for the next job (a mix of two jobs) cannot claim anything: the new values
+ * were written after the close, so its CAS sees the new generation.  Without the close, such
+ * a worker could claim chunk n_old of the next job with the next job's fn/ctx/n before that
+ * job was published, and the chunk then ran twice (a stress test of 2-3 threads and jobs of
+ * 2-61 chunks hit it about once per 2 million jobs).  The caller waits until
+ * `completed == n` before returning; the job's data stays valid until then.  A second caller
+ * that finds the pool busy (another Python thread with the GIL released) runs its job
+ * alone. */
 #define _GNU_SOURCE
 #include "pool.h"
 #include "common.h"
@@ -25,6 +32,7 @@
 #endif
 
 #define MAX_THREADS 256
+#define CLOSED 0xffffffffu /* chunk index of a ticket whose job is being set up */
 
 static struct {
     _Atomic uint64_t ticket;
@@ -75,8 +83,9 @@ static void *worker_main(void *arg) {
         uint64_t t;
         double t0 = now_us();
         int spins = 0;
-        /* spin for a while, then sleep */
-        while ((uint32_t)((t = atomic_load_explicit(&P.ticket, memory_order_acquire)) >> 32) == seen) {
+        /* spin for a while, then sleep (a closed ticket of a new generation is about to open) */
+        while ((uint32_t)((t = atomic_load_explicit(&P.ticket, memory_order_acquire)) >> 32) == seen ||
+               (uint32_t)t == CLOSED) {
             if (atomic_load_explicit(&P.stop, memory_order_relaxed)) return NULL;
             CPU_RELAX();
             if (++spins == 256) {
@@ -94,9 +103,14 @@ static void *worker_main(void *arg) {
             }
         }
         seen = (uint32_t)(t >> 32);
-        si_task_fn fn = atomic_load_explicit(&P.fn, memory_order_relaxed);
-        void *ctx = atomic_load_explicit(&P.ctx, memory_order_relaxed);
-        int64_t n = atomic_load_explicit(&P.n, memory_order_relaxed);
+#ifdef SI_POOL_STRESS
+        SI_POOL_STRESS(); /* tests/test_pool.py: a random delay here, where the race was */
+#endif
+        /* acquire: if any of these is a later job's, written after that job closed the
+         * ticket, the claims in work() see the later generation and fail */
+        si_task_fn fn = atomic_load_explicit(&P.fn, memory_order_acquire);
+        void *ctx = atomic_load_explicit(&P.ctx, memory_order_acquire);
+        int64_t n = atomic_load_explicit(&P.n, memory_order_acquire);
         work(seen, fn, ctx, n);
     }
 }
@@ -197,11 +211,12 @@ void si_pool_run(si_task_fn fn, void *ctx, int64_t n) {
         pthread_mutex_unlock(&P.busy);
         return;
     }
-    atomic_store_explicit(&P.fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&P.ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&P.n, n, memory_order_relaxed);
+    const uint32_t gen = (uint32_t)(atomic_load(&P.ticket) >> 32) + 1;
+    atomic_store(&P.ticket, (uint64_t)gen << 32 | CLOSED); /* before fn/ctx/n change (see top) */
+    atomic_store_explicit(&P.fn, fn, memory_order_release);
+    atomic_store_explicit(&P.ctx, ctx, memory_order_release);
+    atomic_store_explicit(&P.n, n, memory_order_release);
     atomic_store_explicit(&P.completed, 0, memory_order_relaxed);
-    uint32_t gen = (uint32_t)(atomic_load(&P.ticket) >> 32) + 1;
     atomic_store(&P.ticket, (uint64_t)gen << 32); /* seq_cst: publishes the job */
     if (atomic_load(&P.sleepers) > 0) {
         pthread_mutex_lock(&P.mu);
