@@ -172,6 +172,36 @@ static inline float si_bf2f(uint16_t h) {
 
 static inline int64_t si_row(const int32_t *rows, int64_t i) { return rows ? (int64_t)rows[i] : i; }
 
+/* Tiles of a level's dot_q: 8 rows for one token (res[r] = W[rr[r]] . x, rows rn[] prefetched
+ * meanwhile), and the [row][token] tile of one row and one token. */
+typedef void (*si_tile8_fn)(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float *res);
+typedef void (*si_tile1_fn)(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]);
+
+/* dot_q's walk for one token over gathered rows (i1 - i0 >= 16): tiles of 8 rows, each from
+ * its own eighth of [i0, i1), each tile prefetching the next, so that a core reads 8
+ * scattered row streams at once; the rows after the last full tile one at a time.  Both
+ * tiles compute a row the same way, so the results do not depend on the split. */
+static inline void si_dot_rows8(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1, const xq_t *xq,
+                                const yout_t *out, si_tile8_fn fn8, si_tile1_fn fn1) {
+    const int64_t q = (i1 - i0) / 8;
+    for (int64_t j = 0; j < q; j++) {
+        int64_t rr[8], rn[8];
+        for (int r = 0; r < 8; r++) {
+            rr[r] = rows[i0 + r * q + j];
+            rn[r] = j + 1 < q ? rows[i0 + r * q + j + 1] : rr[r];
+        }
+        float res[8];
+        fn8(w, rr, rn, xq, res);
+        for (int r = 0; r < 8; r++) out->y[(i0 + r * q + j) * out->ysr] = res[r];
+    }
+    for (int64_t i = i0 + 8 * q; i < i1; i++) {
+        int64_t rr[4] = {rows[i]};
+        float res[4][4];
+        fn1(w, rr, rr, xq, res);
+        out->y[i * out->ysr] = res[0][0];
+    }
+}
+
 /* Byte offset of value j (0..31) of block b in a quantized activation of nb blocks. */
 static inline int64_t si_xpos(int layout, int64_t nb, int64_t b, int j) {
     if (layout == XL_Q4 && b < (nb & ~(int64_t)3)) {

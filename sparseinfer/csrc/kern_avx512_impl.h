@@ -497,7 +497,6 @@ TILE_FN(q6_4x2, q6_tile, 4, 2)
 TILE_FN(q6_1x2, q6_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
-typedef void (*tile8_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float *);
 /* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1) */
 static const qtile_fn QTILES[3][2][3] = {
     {{q8_4x4, q8_4x2, q8_4x1}, {q8_1x4, q8_1x2, q8_1x1}},
@@ -533,24 +532,8 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
          * 100 -> 94 us; q6 85 -> 79 us.  Dense rows stay on 4 streams: 8 read tall matrices
          * slower (17920x1536 q4 508 -> 517 us, q8 871 -> 894 us; 151936x1536 q8 7.96 ->
          * 8.34 ms, q6 6.48 -> 6.56 ms) and 8960x1536 the same. */
-        const tile8_fn fn8 = w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1;
-        const int64_t q = (i1 - i0) / 8;
-        for (int64_t j = 0; j < q; j++) {
-            int64_t rr[8], rn[8];
-            for (int r = 0; r < 8; r++) {
-                rr[r] = si_row(rows, i0 + r * q + j);
-                rn[r] = j + 1 < q ? si_row(rows, i0 + r * q + j + 1) : rr[r];
-            }
-            float res[8];
-            fn8(w, rr, rn, xq, res);
-            for (int r = 0; r < 8; r++) out->y[(i0 + r * q + j) * out->ysr] = res[r];
-        }
-        for (int64_t i = i0 + 8 * q; i < i1; i++) {
-            int64_t rr[4] = {si_row(rows, i)};
-            float res[4][4];
-            tiles[1][2](w, rr, rr, xq, res);
-            out->y[i * out->ysr] = res[0][0];
-        }
+        si_dot_rows8(w, rows, i0, i1, xq, out, w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1,
+                     tiles[1][2]);
         return;
     }
     const walk_t wk = walk_init(i0, i1, T >> P);

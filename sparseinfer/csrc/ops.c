@@ -406,8 +406,8 @@ typedef struct {
 /* The row list [0, n) in the order the axpy kernels should take it: each group of 8
  * consecutive entries takes one row from each eighth of the list (t, t + q, ..., t + 7q with
  * q = n / 8), the last n % 8 rows stay at the end.  The kernels read 8 rows at a time, and
- * 8 rows far apart are 8 separate streams for the hardware prefetchers, as in dot_q's
- * one-token tiles; 8 neighbours of a sorted list share pages (dense-like lists) and read
+ * 8 rows far apart are 8 separate streams for the hardware prefetchers, as in the one-token
+ * dot tiles' walk (si_dot_rows8); 8 neighbours of a sorted list share pages (dense-like lists) and read
  * slower.  Alternated in one process, 2 threads, 8960x1536 down_t, axpy_rows at active
  * fraction 1 / 0.25 / 0.1 / 0.05: AVX-512 q4 480-490 -> 330-351 / 159-164 -> 142-147 /
  * 76-79 -> 74-76 / 46 -> 48 us, q8 743 -> 491 / 217 -> 204 / 99 -> 99 / 58 -> 58 us; AVX2
