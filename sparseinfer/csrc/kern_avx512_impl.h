@@ -364,6 +364,15 @@ AI void q6_tail_block(const uint8_t *tp, const uint16_t *ds, int64_t b, __m256i 
     *dv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(ds[2 * b + 1])), _mm_set1_ps(_cvtsh_ss(ds[2 * b])));
 }
 
+/* A tail block's contribution to one token's accumulator (lower 8 lanes): its codes wv and
+ * scales dv (q6_tail_block) against the token's 32 quantized values xb of scale dx. */
+AI __m256 q6_tail_term(__m256i wv, __m256 dv, const int8_t *xb, float dx) {
+    const __m256i c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xb);
+    __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(dx));
+}
+
 AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T, float res[4][4]) {
     const int64_t nb = w->nb, ng = nb >> 2;
     const uint8_t *qp[4];
@@ -398,18 +407,14 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         }
     }
     /* blocks after the last full group */
-    const __m256i c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
     for (int64_t b = 4 * ng; b < nb; b++) {
         for (int r = 0; r < R; r++) {
             __m256i wv;
             __m256 dv;
             q6_tail_block(qp[r] + 96 * ng + 24 * (b - 4 * ng), dp[r], b, &wv, &dv);
-            for (int t = 0; t < T; t++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
-                __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
-                __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(xq->d[t * xq->d_stride + b]));
-                acc[r][t] = _mm512_add_ps(acc[r][t], zext256(f));
-            }
+            for (int t = 0; t < T; t++)
+                acc[r][t] = _mm512_add_ps(acc[r][t], zext256(q6_tail_term(wv, dv, xq->q + t * xq->q_stride + 32 * b,
+                                                                          xq->d[t * xq->d_stride + b])));
         }
     }
     for (int r = 0; r < R; r++)
@@ -447,16 +452,12 @@ AI void q6_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             acc[r] = _mm512_fmadd_ps(f, de, acc[r]);
         }
     }
-    const __m256i c32y = _mm256_set1_epi8(32), zy = _mm256_setzero_si256();
     for (int64_t b = 4 * ng; b < nb; b++) {
         for (int r = 0; r < R; r++) {
             __m256i wv;
             __m256 dv;
             q6_tail_block(qp[r] + 96 * ng + 24 * (b - 4 * ng), dp[r], b, &wv, &dv);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + 32 * b));
-            __m256i p = DP256(_mm256_sub_epi32(zy, DP256(zy, c32y, xv)), wv, xv);
-            __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(p), dv), _mm256_set1_ps(xq->d[b]));
-            acc[r] = _mm512_add_ps(acc[r], zext256(f));
+            acc[r] = _mm512_add_ps(acc[r], zext256(q6_tail_term(wv, dv, xq->q + 32 * b, xq->d[b])));
         }
     }
     for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
