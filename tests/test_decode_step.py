@@ -1,12 +1,13 @@
-"""The fused single-token decode steps (csrc/decode.c, `Attention.decode_step`, `MLP.decode_step`):
-the same logits and KV cache as the Python layers, and as transformers, for batch-1 decode."""
+"""The single-token decode steps (csrc/decode.c on the plans of `kernels.decode_plan`,
+`Attention.step`, `MLP.step`): the same logits and KV cache as the Python layers, and as
+transformers, for batch-1 decode."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from sparseinfer.io.weights import GGUFSource, SafetensorsSource
-from sparseinfer.kernels import cpu
+from sparseinfer.kernels import cpu, decode_plan
 from sparseinfer.models.layers import MLP, Attention, Linear, RMSNorm
 from sparseinfer.models.registry import build_model
 from sparseinfer.quant import from_float
@@ -39,7 +40,7 @@ class Count:
         self.n = {"attn": 0, "mlp": 0}
         if off:
             for cls in (Attention, MLP):
-                monkeypatch.setattr(cls, "decode_args", lambda *a: None)
+                monkeypatch.setattr(cls, "step", lambda *a: None)
             return
         real = cpu._cpu
         count = self.n
@@ -47,7 +48,7 @@ class Count:
         class Wrapped:
             def __getattr__(self, name):
                 f = getattr(real, name)
-                key = {"decode_attn": "attn", "decode_mlp": "mlp"}.get(name)
+                key = {"decode_attn": "attn", "decode_ffn": "mlp"}.get(name)
                 if key is None:
                     return f
 
@@ -123,43 +124,51 @@ def test_mlp_step_activations(act, fmt):
     norm = RMSNorm(1 + 0.2 * torch.randn(n, generator=g), 1e-5)
     x = torch.randn(1, 1, n, generator=g)
     want = x + mlp(norm(x))
-    got = mlp.decode_step(x, norm)
-    assert got is not None and got.shape == x.shape
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got = x.clone().view(-1)
+    mlp.step(norm).run(got, got)
+    torch.testing.assert_close(got.view(1, 1, n), want, atol=1e-5, rtol=1e-5)
 
 
-def test_steps_decline_what_they_do_not_cover():
+def test_steps_cover_plain_ffns_and_decline_other_norms():
     g = torch.Generator().manual_seed(0)
     n = 64
-    mlp = MLP(None, Linear(from_float(torch.randn(128, n, generator=g), "f32")),
-              Linear(from_float(torch.randn(n, 128, generator=g), "f32")), "relu")
+    w = lambda r, c: Linear(from_float(torch.randn(r, c, generator=g) * 0.1, "f32"), 0.1 * torch.randn(r, generator=g))  # noqa: E731
+    plain = MLP(None, w(128, n), w(n, 128), "relu")  # OPT/Falcon MLPs, with biases
     norm = RMSNorm(torch.ones(n), 1e-5)
-    assert mlp.decode_step(torch.randn(1, 1, n), norm) is None  # no gate (OPT/Falcon MLPs)
-    gated = MLP(Linear(from_float(torch.randn(128, n, generator=g), "f32")),
-                Linear(from_float(torch.randn(128, n, generator=g), "f32")),
-                Linear(from_float(torch.randn(n, 128, generator=g), "f32")), "silu")
-    ln = torch.nn.LayerNorm(n)
-    assert gated.decode_step(torch.randn(1, 1, n), ln) is None  # another norm
-    assert gated.decode_step(torch.randn(1, 1, n, dtype=torch.float64), norm) is None
+    x = torch.randn(1, 1, n, generator=g)
+    got = x.clone().view(-1)
+    plain.step(norm).run(got, got)
+    torch.testing.assert_close(got.view(1, 1, n), x + plain(norm(x)), atol=1e-5, rtol=1e-5)
+    assert plain.step(torch.nn.LayerNorm(n)) is None  # another norm: the block runs its modules
 
 
-def test_decode_attn_rejects_inconsistent_shapes():
+def test_plans_reject_inconsistent_shapes():
     g = torch.Generator().manual_seed(0)
     n, H, Hk, D = 32, 4, 2, 8
     qkv = from_float(torch.randn((H + 2 * Hk) * D, n, generator=g), "f32")
     o = from_float(torch.randn(n, H * D, generator=g), "f32")
+    args = dict(norm_w=torch.ones(n), eps=1e-5, q=qkv, k=None, v=None, o=o, bq=None, bk=None, bv=None, bo=None,
+                n_heads=H, n_kv_heads=Hk, d_head=D, n_rot=0)
+    step = decode_plan.AttnStep(**args)
     kc = torch.zeros(1, Hk, 16, D)
-    args = dict(n_heads=H, n_kv_heads=Hk, d_head=D, n_rot=0, cos=None, sin=None, k_cache=kc,
-                v_cache=torch.zeros_like(kc), pos=0, o=o, o_bias=None)
-    x, w = torch.randn(n), torch.ones(n)
-    y = cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **args)
-    assert y.shape == (n,) and torch.isfinite(y).all()
-    with pytest.raises(ValueError, match="inconsistent"):
-        cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **{**args, "n_kv_heads": 1})
-    with pytest.raises(ValueError, match="inconsistent"):
-        cpu.decode_attn(x, w, 1e-5, (qkv, None, None), (None, None, None), **{**args, "pos": 16})
-    with pytest.raises(ValueError):
-        cpu.decode_attn(x.double(), w, 1e-5, (qkv, None, None), (None, None, None), **args)
+    x = torch.randn(n)
+    y = torch.empty(n)
+    step.run(x, y, None, None, kc, torch.zeros_like(kc), 0)
+    assert torch.isfinite(y).all()
+    with pytest.raises(ValueError, match="wrong shape"):
+        decode_plan.AttnStep(**{**args, "n_kv_heads": 1})
+    with pytest.raises(ValueError, match="norm weight has 31 values"):
+        decode_plan.AttnStep(**{**args, "norm_w": torch.ones(n - 1)})
+    with pytest.raises(ValueError, match="bias"):
+        decode_plan.AttnStep(**{**args, "bo": torch.ones(n + 1)})
+    with pytest.raises(ValueError, match="outside the cache"):
+        step.run(x, y, None, None, kc, torch.zeros_like(kc), 16)
+    up = from_float(torch.randn(64, n, generator=g), "f32")
+    down = from_float(torch.randn(n, 64, generator=g), "f32")
+    with pytest.raises(ValueError, match="wrong shape"):
+        decode_plan.dense_ffn_step(act="silu", relu_up=False, gate=up, up=up, down=from_float(torch.randn(n, 63), "f32"))
+    with pytest.raises(ValueError, match="has no C kernel"):
+        decode_plan.dense_ffn_step(act="tanh", relu_up=False, gate=up, up=up, down=down)
 
 
 def test_decode_across_cache_growth(tmp_path, monkeypatch):
@@ -190,8 +199,8 @@ def python_path_run(run, monkeypatch):
 
 
 def test_steps_follow_replaced_weights_and_copies(tmp_path, tokens, monkeypatch):
-    """The C steps' prepared arguments are rebuilt when a weight is replaced after decoding
-    started, and a deep copy of the model decodes from its own tensors."""
+    """The C steps' plans are rebuilt when a weight is replaced after decoding started, and a
+    deep copy of the model decodes from its own tensors."""
     import copy
 
     hf = hf_model("qwen2")

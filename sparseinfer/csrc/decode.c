@@ -1,12 +1,12 @@
-/* Fused single-token decode steps of a pre-norm transformer block (Llama family).
+/* One token through a pre-norm transformer half-block: the steps a decode plan runs.
  *
- * Why: in Python each block costs ~35 small torch operations per token (norm, bias, rotary,
- * cache writes, residual adds, activation), 0.4-0.7 ms per layer on this machine class, a
- * quarter of a 1.5B model's decode time, and the weight streaming in between evicts the
- * interpreter's working set.  Here one call does one half-block with the same kernels
- * (`si_gemv`, `si_attend1`, `si_rms_norm`) and the same element-wise arithmetic as the
- * Python layers (sparseinfer/models/layers.py: Attention, MLP, Rotary), which stay the
- * reference and the path for everything else (prefill, GPUs, sparse FFNs).
+ * Why: in Python each block costs a few dozen small torch operations per token (norm, bias,
+ * rotary, cache writes, residual adds, activation, row choice), and the weight streaming in
+ * between evicts the interpreter's working set.  Here one call runs one half-block on its plan
+ * (ops.h: si_attn_plan_t, si_ffn_plan_t, built once per layer by
+ * sparseinfer/kernels/decode_plan.py), with the same kernels and element-wise arithmetic as
+ * the Python layers (sparseinfer/models/layers.py) and the one-token sparse FFN reference
+ * (sparseinfer/kernels/reference.py: sparse_ffn_token), which tests compare it with.
  *
  * Temporaries live in scratch slot 6 of the calling thread. */
 #include "ops.h"
@@ -32,63 +32,61 @@ static void rope(float *v, int64_t nh, int64_t D, int64_t n_rot, const float *co
     }
 }
 
-/* xo = x + o(attention(rope(qkv(rms_norm(x))))) for one token at position `pos`.
- * q, k, v: the projections (rows H*D, Hk*D, Hk*D), or k == v == NULL and q the fused one
- * (all rows stacked); bq, bk, bv: their biases or NULL.  This token's k and v are written to
- * the caches (KV head h, row pos at kc + h*kstride + pos*D) and the attention runs over rows
- * 0..pos.  x and xo may be the same buffer. */
-void si_decode_attn(const float *x, float *xo, int64_t n, const float *norm_w, float eps, const qmat_t *q,
-                    const qmat_t *k, const qmat_t *v, const float *bq, const float *bk, const float *bv, int64_t H,
-                    int64_t Hk, int64_t D, int64_t n_rot, const float *cos, const float *sin, float *kc, float *vc,
-                    int64_t kstride, int64_t vstride, int64_t pos, const qmat_t *o, const float *o_bias,
-                    float scale) {
+void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
+                    float *kc, float *vc, int64_t kstride, int64_t vstride, int64_t pos) {
+    const int64_t n = p->n, H = p->H, Hk = p->Hk, D = p->D;
+    const int fused = p->k.fmt < 0;
     const int64_t nq = H * D, nkv = Hk * D, nt = nq + 2 * nkv;
     float *xn = si_scratch(6, (size_t)(up16(n) * 2 + up16(nt) + up16(nq)) * sizeof(float));
     if (!xn) abort();
     float *y = xn + up16(n), *att = y + up16(nt), *ob = att + up16(nq);
-    si_rms_norm(x, norm_w, xn, 1, n, eps);
-    si_gemv(q, xn, y);
-    if (k) {
-        si_gemv(k, xn, y + nq);
-        si_gemv(v, xn, y + nq + nkv);
+    si_rms_norm(x, p->norm_w, xn, 1, n, p->eps);
+    si_gemv(&p->q, xn, y);
+    if (!fused) {
+        si_gemv(&p->k, xn, y + nq);
+        si_gemv(&p->v, xn, y + nq + nkv);
     }
-    if (bq)
-        for (int64_t i = 0; i < (k ? nq : nt); i++) y[i] += bq[i];
-    if (bk)
-        for (int64_t i = 0; i < nkv; i++) y[nq + i] += bk[i];
-    if (bv)
-        for (int64_t i = 0; i < nkv; i++) y[nq + nkv + i] += bv[i];
-    if (n_rot > 0) rope(y, H + Hk, D, n_rot, cos, sin);
+    if (p->bq)
+        for (int64_t i = 0; i < (fused ? nt : nq); i++) y[i] += p->bq[i];
+    if (p->bk)
+        for (int64_t i = 0; i < nkv; i++) y[nq + i] += p->bk[i];
+    if (p->bv)
+        for (int64_t i = 0; i < nkv; i++) y[nq + nkv + i] += p->bv[i];
+    if (p->n_rot > 0) rope(y, H + Hk, D, p->n_rot, cos, sin);
     for (int64_t h = 0; h < Hk; h++) {
         memcpy(kc + h * kstride + pos * D, y + nq + h * D, (size_t)D * sizeof(float));
         memcpy(vc + h * vstride + pos * D, y + nq + nkv + h * D, (size_t)D * sizeof(float));
     }
-    si_attend1(y, kc, vc, att, H, Hk, D, pos + 1, kstride, vstride, scale);
-    si_gemv(o, att, ob);
-    if (o_bias)
-        for (int64_t i = 0; i < n; i++) ob[i] += o_bias[i];
+    si_attend1(y, kc, vc, att, H, Hk, D, pos + 1, kstride, vstride, p->scale);
+    si_gemv(&p->o, att, ob);
+    if (p->bo)
+        for (int64_t i = 0; i < n; i++) ob[i] += p->bo[i];
     for (int64_t i = 0; i < n; i++) xo[i] = x[i] + ob[i];
 }
 
-/* xo = x + down(act(gate(xn)) * up(xn)), xn = rms_norm(x), with F neurons; gate and up are
- * the projections, or up == NULL and gate the fused one (F gate rows, then F up rows);
- * relu_up also applies ReLU to up (dReLU). */
-void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps, int act, int relu_up,
-                   const qmat_t *gate, const qmat_t *upm, int64_t F, const qmat_t *down) {
-    float *xn = si_scratch(6, (size_t)(up16(n) * 2 + up16(2 * F)) * sizeof(float));
-    if (!xn) abort();
-    float *gu = xn + up16(n), *dn = gu + up16(2 * F);
-    si_rms_norm(x, norm_w, xn, 1, n, eps);
-    si_gemv(gate, xn, gu);
-    if (upm) si_gemv(upm, xn, gu + F);
-    si_act(act, gu, F);
-    for (int64_t i = 0; i < F; i++) {
-        float u = gu[F + i];
-        if (relu_up && !(u > 0.0f)) u = 0.0f;
-        gu[i] *= u;
+static int has(const qmat_t *w) { return w->fmt >= 0; }
+
+/* y = down(act(first(xn) + b1) * (second(xn) + b2)) (plain FFN: down(act(first(xn) + b1)))
+ * with every neuron: the dense MLP; `gu` has room for 2F floats */
+static void dense_ffn(const si_ffn_plan_t *p, const float *xn, float *gu, float *y) {
+    const int64_t F = p->F;
+    const int gated = has(&p->second);
+    if (p->flags & FFN_GATE_UP) si_gemv(&p->gate_up, xn, gu);
+    else {
+        si_gemv(&p->first, xn, gu);
+        if (gated) si_gemv(&p->second, xn, gu + F);
     }
-    si_gemv(down, gu, dn);
-    for (int64_t i = 0; i < n; i++) xo[i] = x[i] + dn[i];
+    if (p->first_bias)
+        for (int64_t i = 0; i < F; i++) gu[i] += p->first_bias[i];
+    si_act(p->act, gu, F);
+    if (gated)
+        for (int64_t i = 0; i < F; i++) {
+            float u = gu[F + i];
+            if (p->second_bias) u += p->second_bias[i];
+            if (p->relu_up && !(u > 0.0f)) u = 0.0f;
+            gu[i] *= u;
+        }
+    si_gemv(&p->down, gu, y);
 }
 
 /* ----------------------------------------------------------------- sparse FFN half-block */
@@ -138,16 +136,16 @@ static float kth_largest(const float *v, int64_t n, int64_t k, uint32_t *tmp) {
 /* Predicted rows of one token, ascending: score_i = (W2t^T relu(W1 x + b1))_i; active when
  * score_i > cut_i, or (topk > 0) the topk highest score_i - cut_i (ties: lowest ids).
  * QPredictor (sparseinfer/sparse/predictor.py) is the same arithmetic in Python. */
-static int64_t predict_rows(const sparse_mlp_t *s, const float *xn, float *z, float *sc, int32_t *ids,
+static int64_t predict_rows(const si_ffn_plan_t *s, const float *xn, float *z, float *sc, int32_t *ids,
                             int32_t *rows) {
-    const int64_t r = s->w1->rows, F = s->F;
-    si_gemv(s->w1, xn, z);
+    const int64_t r = s->w1.rows, F = s->F;
+    si_gemv(&s->w1, xn, z);
     for (int64_t j = 0; j < r; j++) {
         const float v = z[j] + s->b1[j];
         z[j] = v > 0.0f ? v : 0.0f;
         ids[j] = (int32_t)j;
     }
-    si_axpy_rows(s->w2t, z, ids, r, sc);
+    si_axpy_rows(&s->w2t, z, ids, r, sc);
     int64_t m = 0;
     if (s->topk <= 0) {
         for (int64_t i = 0; i < F; i++)
@@ -165,55 +163,51 @@ static int64_t predict_rows(const sparse_mlp_t *s, const float *xn, float *z, fl
     return m;
 }
 
-/* One token through a SparseFFN (sparseinfer/sparse/ffn.py, `SparseFFN._sparse_rows`, the
- * reference): candidate rows (given, predicted, or all), then the one pass over neuron records
- * (`records`: first, activation, keep, second and down_t of the kept), or the fused kernel
- * over them, or: first projection on the candidates (all: with up in one pass when gate and up are
- * one weight), activation, keep |a| > threshold, up on the kept rows (dense above
- * up_crossover), down_t over the kept rows (the stored down, dense, above crossover).
- * norm_w non-NULL: xo = x + ffn(rms_norm(x)); NULL: xo = ffn(x).  x and xo may alias. */
-void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,
-                          const sparse_mlp_t *s, const int32_t *given, int64_t n_given) {
-    const int64_t F = s->F, r = s->w1 ? s->w1->rows : 0;
-    const int64_t nf = up16(F), ni = up16(r > F ? r : F), fl = (int64_t)sizeof(float);
-    char *base = si_scratch(6, (size_t)((2 * up16(n) + up16(r) + ni + 6 * nf) * fl));
-    if (!base) abort();
-    float *xn = (float *)base, *y = xn + up16(n), *z = y + up16(n), *sc = z + up16(r);
+/* The one-token sparse FFN (reference: sparseinfer/kernels/reference.py, sparse_ffn_token):
+ * candidate rows (given, predicted, or all), then the one pass over neuron records (FFN_RECORDS:
+ * first, activation, keep, second and down_t of the kept), or the fused kernel over them
+ * (FFN_FUSED), or: first projection on the candidates (all: with up in one pass when gate and
+ * up are one weight, FFN_GATE_UP), activation, keep |a| > threshold, up on the kept rows (dense
+ * above up_crossover), down_t over the kept rows (the stored down, dense, above crossover).
+ * y = ffn(xn); the scratch after xn and y holds the rest. */
+static void sparse_ffn(si_ffn_plan_t *s, const float *xn, float *y, float *z, const int32_t *given,
+                       int64_t n_given) {
+    const int64_t F = s->F, n = s->n, r = has(&s->w1) ? s->w1.rows : 0;
+    const int64_t nf = up16(F), ni = up16(r > F ? r : F);
+    float *sc = z + up16(r);
     int32_t *ids = (int32_t *)(sc + nf), *cand = ids + ni, *kept = cand + nf;
     /* a then u adjacent (one dense gemv over gate and up writes both), h after */
     float *a = (float *)(kept + nf), *u = a + F, *h = a + 2 * nf;
-    int64_t *cnt = s->counters;
-    if (norm_w) si_rms_norm(x, norm_w, xn, 1, n, eps);
-    else memcpy(xn, x, (size_t)n * sizeof(float));
-    cnt[0]++;
+    si_ffn_stats_t *st = &s->stats;
+    st->tokens++;
     const int32_t *rows = given;
     int64_t nc = n_given;
-    if (!given && s->w1) {
+    if (!given && r) {
         const double t0 = now_seconds();
         nc = predict_rows(s, xn, z, sc, ids, cand);
-        *s->pred_seconds += now_seconds() - t0;
-        cnt[9]++;
+        st->predictor_seconds += now_seconds() - t0;
+        st->predictions++;
         rows = cand;
     }
-    const qmat_t *second = s->second;
+    const qmat_t *second = has(&s->second) ? &s->second : NULL;
     if (rows && nc == 0) {
         memset(y, 0, (size_t)n * sizeof(float));
-    } else if (rows && s->records) {
+    } else if (rows && (s->flags & FFN_RECORDS)) {
         /* one pass over whole neuron records: up and down on the kept rows, never dense */
-        const int64_t nk = si_sparse_records(s->records, s->act, s->relu_up, s->first, s->first_bias, second,
-                                             s->second_bias, s->down_t, xn, rows, nc, s->threshold, y);
-        cnt[2] += nc, cnt[8] += nk, cnt[7] += nk;
-        if (second) cnt[5] += nk;
-    } else if (rows && s->fused) {
-        si_sparse_ffn(s->act, second ? s->first : NULL, second ? second : s->first, s->down_t, xn, rows, nc, y);
-        cnt[1] += nc;
+        const int64_t nk = si_sparse_records(s->records, s->act, s->relu_up, &s->first, s->first_bias, second,
+                                             s->second_bias, &s->down_t, xn, rows, nc, s->threshold, y);
+        st->first_rows += nc, st->kept += nk, st->down_rows += nk;
+        if (second) st->up_rows += nk;
+    } else if (rows && (s->flags & FFN_FUSED)) {
+        si_sparse_ffn(s->act, second ? &s->first : NULL, second ? second : &s->first, &s->down_t, xn, rows, nc, y);
+        st->fused_rows += nc;
     } else {
         /* no candidate rows and gate/up one fused weight: one dense pass computes both */
-        const int gate_up = !rows && s->first_up;
-        if (rows) si_gemv_rows(s->first, xn, rows, nc, a);
-        else si_gemv(gate_up ? s->first_up : s->first, xn, a), nc = F;
-        if (gate_up) cnt[3]++;
-        else cnt[2] += nc;
+        const int gate_up = !rows && (s->flags & FFN_GATE_UP);
+        if (rows) si_gemv_rows(&s->first, xn, rows, nc, a);
+        else si_gemv(gate_up ? &s->gate_up : &s->first, xn, a), nc = F;
+        if (gate_up) st->gate_up_passes++;
+        else st->first_rows += nc;
         if (s->first_bias)
             for (int64_t j = 0; j < nc; j++) a[j] += s->first_bias[rows ? rows[j] : j];
         si_act(s->act, a, nc);
@@ -225,16 +219,16 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
             h[nk] = v;
             nk += fabsf(v) > thr;
         }
-        cnt[8] += nk;
+        st->kept += nk;
         if (second && nk) {
             /* up of the kept neurons: from the fused pass, dense above its crossover, else rows */
             int full = gate_up;
             if (!gate_up && (float)nk > s->up_crossover * (float)F) {
                 si_gemv(second, xn, u);
-                full = 1, cnt[4]++;
+                full = 1, st->dense_ups++;
             } else if (!gate_up) {
                 si_gemv_rows(second, xn, kept, nk, u);
-                cnt[5] += nk;
+                st->up_rows += nk;
             }
             for (int64_t j = 0; j < nk; j++) {
                 const float uj = full ? u[kept[j]] : u[j];
@@ -243,23 +237,106 @@ void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *nor
                 h[j] *= v;
             }
         }
-        if ((float)nk > s->crossover * (float)F) {
+        if (has(&s->down) && (float)nk > s->crossover * (float)F) {
             /* most neurons kept: down dense in its stored format and column order, h scattered */
             memset(a, 0, (size_t)F * sizeof(float));
             for (int64_t j = 0; j < nk; j++) a[s->order[kept[j]]] = h[j];
-            si_gemv(s->down, a, y);
-            cnt[6]++;
+            si_gemv(&s->down, a, y);
+            st->dense_downs++;
         } else if (nk) {
-            si_axpy_rows(s->down_t, h, kept, nk, y);
-            cnt[7] += nk;
+            si_axpy_rows(&s->down_t, h, kept, nk, y);
+            st->down_rows += nk;
         } else {
             memset(y, 0, (size_t)n * sizeof(float));
         }
     }
-    if (s->down_bias)
-        for (int64_t i = 0; i < n; i++) y[i] += s->down_bias[i];
-    if (norm_w)
+}
+
+void si_decode_ffn(si_ffn_plan_t *p, const float *x, float *xo, const int32_t *rows, int64_t n_rows) {
+    const int64_t n = p->n, F = p->F, r = has(&p->w1) ? p->w1.rows : 0;
+    const int64_t nf = up16(F), ni = up16(r > F ? r : F), fl = (int64_t)sizeof(float);
+    /* xn, y, then the sparse step's z, scores, ids, candidates, kept, a, u, h (dense: gate, up) */
+    char *base = si_scratch(6, (size_t)((2 * up16(n) + up16(r) + ni + 6 * nf) * fl));
+    if (!base) abort();
+    float *xn = (float *)base, *y = xn + up16(n), *z = y + up16(n);
+    if (p->norm_w) si_rms_norm(x, p->norm_w, xn, 1, n, p->eps);
+    else memcpy(xn, x, (size_t)n * sizeof(float));
+    if (p->kind == FFN_DENSE) dense_ffn(p, xn, z, y);
+    else sparse_ffn(p, xn, y, z, rows, n_rows);
+    if (p->down_bias)
+        for (int64_t i = 0; i < n; i++) y[i] += p->down_bias[i];
+    if (p->norm_w)
         for (int64_t i = 0; i < n; i++) xo[i] = x[i] + y[i];
     else
         memcpy(xo, y, (size_t)n * sizeof(float));
+}
+
+/* ----------------------------------------------------------------- plan checks */
+
+/* complete a descriptor filled from Python (fmt, rows, cols, qs, d, m, row_bytes and ds as
+ * strides, 0 = natural), checking it; fmt -1 = absent, allowed where `optional` */
+static int complete(qmat_t *w, int optional) {
+    if (w->fmt < 0) return optional ? 0 : -1;
+    return si_qmat_init(w, w->fmt, w->rows, w->cols, w->qs, w->d, w->m, w->row_bytes, w->ds);
+}
+
+static int shape(const qmat_t *w, int64_t rows, int64_t cols) { return w->rows == rows && w->cols == cols; }
+
+const char *si_check_attn_plan(si_attn_plan_t *p) {
+    if (complete(&p->q, 0) || complete(&p->k, 1) || complete(&p->v, 1) || complete(&p->o, 0))
+        return "invalid weight descriptor";
+    const int64_t n = p->n, H = p->H, Hk = p->Hk, D = p->D;
+    if (n < 1 || H < 1 || Hk < 1 || D < 1 || H % Hk || p->n_rot < 0 || p->n_rot > D || p->n_rot % 2)
+        return "bad head counts or sizes";
+    if ((p->k.fmt < 0) != (p->v.fmt < 0)) return "k and v must both be given or both fused into q";
+    if (p->k.fmt < 0) {
+        if (!shape(&p->q, (H + 2 * Hk) * D, n) || p->bk || p->bv) return "fused q/k/v weight has the wrong shape";
+    } else if (!shape(&p->q, H * D, n) || !shape(&p->k, Hk * D, n) || !shape(&p->v, Hk * D, n)) {
+        return "q/k/v weights have the wrong shape";
+    }
+    if (!shape(&p->o, n, H * D)) return "o weight has the wrong shape";
+    if (!p->norm_w) return "null norm weight";
+    return 0;
+}
+
+const char *si_check_ffn_plan(si_ffn_plan_t *p) {
+    if (complete(&p->first, 0) || complete(&p->second, 1) || complete(&p->down, 1) ||
+        complete(&p->down_t, p->kind == FFN_DENSE) || complete(&p->w1, 1) || complete(&p->w2t, 1) ||
+        (p->kind == FFN_DENSE && !has(&p->down)))
+        return "invalid weight descriptor";
+    const int64_t n = p->n, F = p->F;
+    const int gated = has(&p->second);
+    if (p->kind != FFN_DENSE && p->kind != FFN_SPARSE) return "unknown FFN kind";
+    if (p->act < 0 || p->act >= ACT_COUNT) return "unknown activation code";
+    if (n < 1 || F < 1 || !shape(&p->first, F, n) || (gated && !shape(&p->second, F, n)) ||
+        (has(&p->down) && !shape(&p->down, n, F)))
+        return "gate/up/down weights have the wrong shape";
+    p->gate_up.fmt = -1;
+    if (p->flags & FFN_GATE_UP) {
+        /* gate and up adjacent row blocks of one weight: the dense first projection covers both */
+        const qmat_t *f = &p->first, *u = &p->second;
+        if (!gated || u->fmt != f->fmt || u->row_bytes != f->row_bytes || u->ds != f->ds ||
+            u->qs != f->qs + F * f->row_bytes || (f->d && u->d != f->d + F * f->ds) ||
+            (f->m && u->m != f->m + F * f->ds) || (!f->d) != (!u->d) || (!f->m) != (!u->m) ||
+            si_qmat_init(&p->gate_up, f->fmt, 2 * F, n, f->qs, f->d, f->m, f->row_bytes, f->ds) != 0)
+            return "gate and up are not one fused weight";
+    }
+    p->records = NULL;
+    if (p->kind == FFN_DENSE) {
+        if (p->flags & ~FFN_GATE_UP) return "a dense FFN takes no sparse flags";
+        return 0;
+    }
+    if (!shape(&p->down_t, F, n)) return "down_t must be (neurons, width)";
+    if (p->down_t.fmt == FMT_Q6 || (has(&p->w2t) && p->w2t.fmt == FMT_Q6))
+        return "q6 weights have no column-sparse (axpy) kernel";
+    if (has(&p->down) && !p->order) return "null neuron order";
+    if (has(&p->w1) != has(&p->w2t)) return "predictor needs both w1 and w2t";
+    if (has(&p->w1) && (p->w1.cols != n || !shape(&p->w2t, p->w1.rows, F) || !p->b1 || !p->cut))
+        return "predictor weights have the wrong shape";
+    if (p->topk < 0 || p->topk > F) return "topk out of range";
+    if (p->flags & FFN_RECORDS) {
+        p->records = si_record_base(&p->first, gated ? &p->second : NULL, &p->down_t);
+        if (!p->records) return "first, second and down_t are not neuron records";
+    }
+    return 0;
 }

@@ -2,14 +2,20 @@
  *
  * The Python wrapper (sparseinfer/kernels/cpu.py) owns dtype/shape/contiguity checks; this
  * layer checks what it can see (formats, sizes, null pointers, row ids in range) and raises
- * ValueError rather than crashing.  A weight is passed as 8 ints: fmt, rows, cols, qs, d, m
- * (d/m = 0 for None), qs row stride in bytes, d/m row stride in elements (0 = natural).  The GIL is released while kernels run. */
+ * ValueError rather than crashing.  A weight is passed as the address of a qmat_t (ops.h /
+ * common.h) that sparseinfer/kernels/cpu.py fills field by field (fmt, rows, cols, qs, d, m,
+ * qs row stride in bytes and d/m row stride in elements, 0 = natural); every call copies it
+ * and completes the copy through si_qmat_init, which checks it.  A decode plan is passed as
+ * the address of its struct, checked once by check_attn_plan / check_ffn_plan.  The GIL is
+ * released while kernels run. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+
+#include <stddef.h>
 
 #include "ops.h"
 #include "pool.h"
@@ -36,23 +42,25 @@ static int nargs_ok(Py_ssize_t n, Py_ssize_t want, const char *fn) {
     return 1;
 }
 
-/* args[0..7] = (fmt, rows, cols, qs, d, m, qs_stride, d_stride, qs row stride in bytes, d/m row stride in
- * elements; strides 0 = natural) -> qmat; accepts fmt == -1 as "no weight" when allow_none */
-static int get_qmat(PyObject *const *a, qmat_t *w, int allow_none, int *is_none) {
-    int64_t fmt, rows, cols, qst, dst;
-    void *qs, *d, *m;
-    if (get_i64(a[0], &fmt) || get_i64(a[1], &rows) || get_i64(a[2], &cols) || get_ptr(a[3], &qs) ||
-        get_ptr(a[4], &d) || get_ptr(a[5], &m) || get_i64(a[6], &qst) || get_i64(a[7], &dst))
-        return -1;
+/* a weight: the address of a qmat_t (0 = none, accepted when allow_none), copied to *w and
+ * completed by si_qmat_init (derived sizes recomputed, strides checked against the row width) */
+static int get_qmat(PyObject *o, qmat_t *w, int allow_none, int *is_none) {
+    void *p;
+    if (get_ptr(o, &p)) return -1;
     if (is_none) *is_none = 0;
-    if (allow_none && fmt == -1) {
-        *is_none = 1;
-        return 0;
+    if (!p) {
+        if (allow_none) {
+            *is_none = 1;
+            return 0;
+        }
+        PyErr_SetString(PyExc_ValueError, "null weight descriptor");
+        return -1;
     }
-    if (si_qmat_init(w, (int)fmt, rows, cols, qs, d, m, qst, dst) != 0) {
-        PyErr_Format(PyExc_ValueError, "invalid weight descriptor (fmt=%lld rows=%lld cols=%lld strides %lld/%lld, "
-                     "missing scales or strides below the row width?)", (long long)fmt, (long long)rows,
-                     (long long)cols, (long long)qst, (long long)dst);
+    const qmat_t *src = p;
+    if (si_qmat_init(w, src->fmt, src->rows, src->cols, src->qs, src->d, src->m, src->row_bytes, src->ds) != 0) {
+        PyErr_Format(PyExc_ValueError, "invalid weight descriptor (fmt=%d rows=%lld cols=%lld strides %lld/%lld, "
+                     "missing scales or strides below the row width?)", src->fmt, (long long)src->rows,
+                     (long long)src->cols, (long long)src->row_bytes, (long long)src->ds);
         return -1;
     }
     return 0;
@@ -76,11 +84,11 @@ static int check_rows(const int32_t *rows, int64_t n, int64_t limit) {
     return 0;
 }
 
-/* gemv(w[8], x, y); w[8] = the weight descriptor of get_qmat */
+/* gemv(w, x, y); w: a weight descriptor address (get_qmat) */
 static PyObject *py_gemv(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     qmat_t w;
     void *x, *y;
-    if (!nargs_ok(n, 10, "gemv") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &x) || get_ptr(a[9], &y)) return NULL;
+    if (!nargs_ok(n, 3, "gemv") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &x) || get_ptr(a[2], &y)) return NULL;
     if (w.rows == 0) Py_RETURN_NONE;
     if (!x || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
     Py_BEGIN_ALLOW_THREADS
@@ -89,13 +97,13 @@ static PyObject *py_gemv(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
-/* matmul(w[8], X, M, Y) */
+/* matmul(w, X, M, Y) */
 static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     qmat_t w;
     void *x, *y;
     int64_t M;
-    if (!nargs_ok(n, 11, "matmul") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &x) || get_i64(a[9], &M) ||
-        get_ptr(a[10], &y))
+    if (!nargs_ok(n, 4, "matmul") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &x) || get_i64(a[2], &M) ||
+        get_ptr(a[3], &y))
         return NULL;
     if (M < 0) return PyErr_Format(PyExc_ValueError, "M must be >= 0");
     if (M == 0 || w.rows == 0) Py_RETURN_NONE;
@@ -107,13 +115,13 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
-/* gemv_rows(w[8], x, idx, n, y) */
+/* gemv_rows(w, x, idx, n, y) */
 static PyObject *py_gemv_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t w;
     void *x, *idx, *y;
     int64_t n;
-    if (!nargs_ok(na, 12, "gemv_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &x) || get_ptr(a[9], &idx) ||
-        get_i64(a[10], &n) || get_ptr(a[11], &y))
+    if (!nargs_ok(na, 5, "gemv_rows") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &x) || get_ptr(a[2], &idx) ||
+        get_i64(a[3], &n) || get_ptr(a[4], &y))
         return NULL;
     if (n <= 0) Py_RETURN_NONE;
     if (!x || !idx || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
@@ -124,13 +132,13 @@ static PyObject *py_gemv_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
-/* axpy_rows(w[8], h, idx, n, y) */
+/* axpy_rows(w, h, idx, n, y) */
 static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t w;
     void *h, *idx, *y;
     int64_t n;
-    if (!nargs_ok(na, 12, "axpy_rows") || get_qmat(a, &w, 0, NULL) || get_ptr(a[8], &h) || get_ptr(a[9], &idx) ||
-        get_i64(a[10], &n) || get_ptr(a[11], &y))
+    if (!nargs_ok(na, 5, "axpy_rows") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &h) || get_ptr(a[2], &idx) ||
+        get_i64(a[3], &n) || get_ptr(a[4], &y))
         return NULL;
     if (!y) return PyErr_Format(PyExc_ValueError, "null data pointer");
     if (!axpy_fmt_ok(&w, "axpy_rows")) return NULL;
@@ -142,15 +150,15 @@ static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
-/* sparse_ffn(act, gate[8] (fmt -1 = none), up[8], down_t[8], x, idx, n, y) */
+/* sparse_ffn(act, gate (0 = none), up, down_t, x, idx, n, y) */
 static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t g, u, dn;
     int64_t act, n;
     int gnone;
     void *x, *idx, *y;
-    if (!nargs_ok(na, 29, "sparse_ffn") || get_i64(a[0], &act) || get_qmat(a + 1, &g, 1, &gnone) ||
-        get_qmat(a + 9, &u, 0, NULL) || get_qmat(a + 17, &dn, 0, NULL) || get_ptr(a[25], &x) ||
-        get_ptr(a[26], &idx) || get_i64(a[27], &n) || get_ptr(a[28], &y))
+    if (!nargs_ok(na, 8, "sparse_ffn") || get_i64(a[0], &act) || get_qmat(a[1], &g, 1, &gnone) ||
+        get_qmat(a[2], &u, 0, NULL) || get_qmat(a[3], &dn, 0, NULL) || get_ptr(a[4], &x) ||
+        get_ptr(a[5], &idx) || get_i64(a[6], &n) || get_ptr(a[7], &y))
         return NULL;
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     if (!gnone && (g.rows != u.rows || g.cols != u.cols))
@@ -287,13 +295,13 @@ static PyObject *py_advise_hugepages(PyObject *self, PyObject *const *a, Py_ssiz
     return PyLong_FromLong(0);
 }
 
-/* dequantize_rows(w[8], r0, r1, out): out = W[r0:r1] as float32 */
+/* dequantize_rows(w, r0, r1, out): out = W[r0:r1] as float32 */
 static PyObject *py_dequantize_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t w;
     int64_t r0, r1;
     void *out;
-    if (!nargs_ok(na, 11, "dequantize_rows") || get_qmat(a, &w, 0, NULL) || get_i64(a[8], &r0) ||
-        get_i64(a[9], &r1) || get_ptr(a[10], &out))
+    if (!nargs_ok(na, 4, "dequantize_rows") || get_qmat(a[0], &w, 0, NULL) || get_i64(a[1], &r0) ||
+        get_i64(a[2], &r1) || get_ptr(a[3], &out))
         return NULL;
     if (r0 < 0 || r1 > w.rows || r0 > r1)
         return PyErr_Format(PyExc_ValueError, "row range [%lld, %lld) is outside [0, %lld)", (long long)r0,
@@ -381,122 +389,121 @@ static int get_f32(PyObject *o, float *v) {
     return 0;
 }
 
-/* decode_attn(x, xo, n, norm_w, eps, q[8], k[8], v[8], bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc,
- *             kstride, vstride, pos, o[8], o_bias, scale): one token through a pre-norm
- * attention half-block, see decode.c.  k and v fmt -1: q is the fused q/k/v weight (bq its
- * bias); bias pointers may be 0; n_rot 0 = no rotary. */
+/* check_attn_plan(plan) / check_ffn_plan(plan): validate a filled decode plan once (shapes,
+ * formats, pointers; see ops.h) and complete its weight descriptors; ValueError naming what
+ * is wrong otherwise */
+static PyObject *py_check_attn_plan(PyObject *self, PyObject *arg) {
+    void *p;
+    if (get_ptr(arg, &p)) return NULL;
+    if (!p) return PyErr_Format(PyExc_ValueError, "null plan");
+    const char *err = si_check_attn_plan(p);
+    if (err) return PyErr_Format(PyExc_ValueError, "attention decode plan: %s", err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_check_ffn_plan(PyObject *self, PyObject *arg) {
+    void *p;
+    if (get_ptr(arg, &p)) return NULL;
+    if (!p) return PyErr_Format(PyExc_ValueError, "null plan");
+    const char *err = si_check_ffn_plan(p);
+    if (err) return PyErr_Format(PyExc_ValueError, "FFN decode plan: %s", err);
+    Py_RETURN_NONE;
+}
+
+/* decode_attn(plan, x, xo, cos, sin, kc, vc, kstride, vstride, pos): one token through an
+ * attention half-block on its checked plan (cos/sin 0 without rotary) */
 static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    qmat_t q, k, v, o;
-    int knone, vnone;
-    void *x, *xo, *nw, *bq, *bk, *bv, *cs, *sn, *kc, *vc, *ob;
-    int64_t n, H, Hk, D, nrot, ks, vs, pos;
-    float eps, scale;
-    if (!nargs_ok(na, 53, "decode_attn") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
-        get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_qmat(a + 5, &q, 0, NULL) || get_qmat(a + 13, &k, 1, &knone) ||
-        get_qmat(a + 21, &v, 1, &vnone) || get_ptr(a[29], &bq) || get_ptr(a[30], &bk) || get_ptr(a[31], &bv) ||
-        get_i64(a[32], &H) || get_i64(a[33], &Hk) || get_i64(a[34], &D) || get_i64(a[35], &nrot) ||
-        get_ptr(a[36], &cs) || get_ptr(a[37], &sn) || get_ptr(a[38], &kc) || get_ptr(a[39], &vc) ||
-        get_i64(a[40], &ks) || get_i64(a[41], &vs) || get_i64(a[42], &pos) || get_qmat(a + 43, &o, 0, NULL) ||
-        get_ptr(a[51], &ob) || get_f32(a[52], &scale))
+    void *p, *x, *xo, *cs, *sn, *kc, *vc;
+    int64_t ks, vs, pos;
+    if (!nargs_ok(na, 10, "decode_attn") || get_ptr(a[0], &p) || get_ptr(a[1], &x) || get_ptr(a[2], &xo) ||
+        get_ptr(a[3], &cs) || get_ptr(a[4], &sn) || get_ptr(a[5], &kc) || get_ptr(a[6], &vc) || get_i64(a[7], &ks) ||
+        get_i64(a[8], &vs) || get_i64(a[9], &pos))
         return NULL;
-    int bad = n < 1 || H < 1 || Hk < 1 || H % Hk || D < 1 || pos < 0 || nrot < 0 || nrot > D || nrot % 2 ||
-              knone != vnone || q.cols != n || o.cols != H * D || o.rows != n ||
-              (Hk > 1 && (ks < (pos + 1) * D || vs < (pos + 1) * D));
-    if (knone) bad |= q.rows != (H + 2 * Hk) * D || bk || bv;
-    else bad |= q.rows != H * D || k.rows != Hk * D || v.rows != Hk * D || k.cols != n || v.cols != n;
-    if (bad) return PyErr_Format(PyExc_ValueError, "decode_attn: inconsistent shapes");
-    if (!x || !xo || !nw || !kc || !vc || (nrot && (!cs || !sn))) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    const si_attn_plan_t *plan = p;
+    if (!p || !x || !xo || !kc || !vc || (plan->n_rot && (!cs || !sn)))
+        return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (pos < 0 || ks < (pos + 1) * plan->D || vs < (pos + 1) * plan->D)
+        return PyErr_Format(PyExc_ValueError, "decode_attn: position %lld outside the cache", (long long)pos);
     Py_BEGIN_ALLOW_THREADS
-    si_decode_attn(x, xo, n, nw, eps, &q, knone ? NULL : &k, vnone ? NULL : &v, bq, bk, bv, H, Hk, D, nrot, cs, sn, kc,
-                   vc, ks, vs, pos, &o, ob, scale);
+    si_decode_attn(plan, x, xo, cs, sn, kc, vc, ks, vs, pos);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate[8], up[8], F, down[8]): one token through
- * a pre-norm gated MLP half-block, see decode.c; up fmt -1: gate is the fused gate/up weight */
-static PyObject *py_decode_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    qmat_t g, u, dn;
-    int unone;
-    void *x, *xo, *nw;
-    int64_t n, act, relu_up, F;
-    float eps;
-    if (!nargs_ok(na, 32, "decode_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_i64(a[2], &n) ||
-        get_ptr(a[3], &nw) || get_f32(a[4], &eps) || get_i64(a[5], &act) || get_i64(a[6], &relu_up) ||
-        get_qmat(a + 7, &g, 0, NULL) || get_qmat(a + 15, &u, 1, &unone) || get_i64(a[23], &F) ||
-        get_qmat(a + 24, &dn, 0, NULL))
+/* decode_ffn(plan, x, xo, rows, n_rows): one token through an FFN (half-block when the plan has
+ * a norm) on its checked plan; rows 0 with n_rows -1: predicted or all rows */
+static PyObject *py_decode_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p, *x, *xo, *rows;
+    int64_t nrows;
+    if (!nargs_ok(na, 5, "decode_ffn") || get_ptr(a[0], &p) || get_ptr(a[1], &x) || get_ptr(a[2], &xo) ||
+        get_ptr(a[3], &rows) || get_i64(a[4], &nrows))
         return NULL;
-    if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
-    int bad = n < 1 || F < 1 || g.cols != n || dn.cols != F || dn.rows != n;
-    bad |= unone ? g.rows != 2 * F : (g.rows != F || u.rows != F || u.cols != n);
-    if (bad) return PyErr_Format(PyExc_ValueError, "decode_mlp: inconsistent shapes");
-    if (!x || !xo || !nw) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    si_ffn_plan_t *plan = p;
+    if (!p || !x || !xo || nrows < -1 || (nrows > 0 && !rows)) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (nrows >= 0 && plan->kind != FFN_SPARSE) return PyErr_Format(PyExc_ValueError, "decode_ffn: rows given to a dense FFN");
+    if (nrows > 0 && check_rows(rows, nrows, plan->F)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    si_decode_mlp(x, xo, n, nw, eps, (int)act, relu_up != 0, &g, unone ? NULL : &u, F, &dn);
+    si_decode_ffn(plan, x, xo, nrows >= 0 ? rows : NULL, nrows);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first[8],
- *                   first_bias, second[8], second_bias, down_t[8], down[8], order, down_bias,
- *                   w1[8], b1, w2t[8], cut, topk, threshold, crossover, up_crossover, counters):
- * one token through an activation-sparse FFN, see decode.c.  norm_w 0: xo = ffn(x), else
- * xo = x + ffn(rms_norm(x)); rows 0 with n_rows -1: predicted (w1 given) or all rows;
- * second fmt -1: plain FFN; w1 fmt -1: no predictor; fused: 1 the one-pass kernel on
- * candidate rows, | 2 gate and up are one weight's adjacent rows (dense gate+up in one pass),
- * | 4 first/second/down_t are neuron records (one pass over whole records, see ops.c);
- * counters: int64[11], the last slot the predictor's seconds as a float64. */
-static PyObject *py_decode_sparse_mlp(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    qmat_t first, second, down_t, down, w1, w2t;
-    int snone, pnone, pnone2;
-    void *x, *xo, *nw, *rows, *fb, *sb, *order, *db, *b1, *cut, *cnt, *ps;
-    int64_t nrows, n, act, relu_up, fused, F, topk;
-    float eps, thr, cross, upcross;
-    if (!nargs_ok(na, 70, "decode_sparse_mlp") || get_ptr(a[0], &x) || get_ptr(a[1], &xo) || get_ptr(a[2], &nw) ||
-        get_f32(a[3], &eps) || get_ptr(a[4], &rows) || get_i64(a[5], &nrows) || get_i64(a[6], &n) ||
-        get_i64(a[7], &act) || get_i64(a[8], &relu_up) || get_i64(a[9], &fused) || get_i64(a[10], &F) ||
-        get_qmat(a + 11, &first, 0, NULL) || get_ptr(a[19], &fb) || get_qmat(a + 20, &second, 1, &snone) ||
-        get_ptr(a[28], &sb) || get_qmat(a + 29, &down_t, 0, NULL) || get_qmat(a + 37, &down, 0, NULL) ||
-        get_ptr(a[45], &order) || get_ptr(a[46], &db) || get_qmat(a + 47, &w1, 1, &pnone) || get_ptr(a[55], &b1) ||
-        get_qmat(a + 56, &w2t, 1, &pnone2) || get_ptr(a[64], &cut) || get_i64(a[65], &topk) ||
-        get_f32(a[66], &thr) || get_f32(a[67], &cross) || get_f32(a[68], &upcross) || get_ptr(a[69], &cnt))
-        return NULL;
-    if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
-    int bad = n < 1 || F < 1 || first.rows != F || first.cols != n || down_t.rows != F || down_t.cols != n ||
-              down.rows != n || down.cols != F || pnone != pnone2 || nrows < -1 || (nrows > 0 && !rows);
-    if (!snone) bad |= second.rows != F || second.cols != n;
-    if (!pnone) bad |= w1.cols != n || w2t.rows != w1.rows || w2t.cols != F || !b1 || !cut;
-    if (bad) return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: inconsistent shapes");
-    if (!axpy_fmt_ok(&down_t, "decode_sparse_mlp down_t") || (!pnone && !axpy_fmt_ok(&w2t, "decode_sparse_mlp predictor w2t")))
-        return NULL;
-    if (!x || !xo || !order || !cnt) return PyErr_Format(PyExc_ValueError, "null data pointer");
-    if (nrows > 0 && check_rows(rows, nrows, F)) return NULL;
-    /* fused bit 1: gate and up are adjacent row blocks of one weight (SparseFFN's views of its
-     * fused gate+up), so the dense first projection covers both in one pass */
-    qmat_t both;
-    if (fused & 2) {
-        const int64_t ds = first.ds;
-        if (snone || second.fmt != first.fmt || second.row_bytes != first.row_bytes || second.ds != ds ||
-            second.qs != first.qs + F * first.row_bytes ||
-            (first.d && second.d != first.d + F * ds) || (first.m && second.m != first.m + F * ds) ||
-            (!first.d) != (!second.d) || (!first.m) != (!second.m) ||
-            si_qmat_init(&both, first.fmt, 2 * F, n, first.qs, first.d, first.m, first.row_bytes, ds) != 0)
-            return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: gate and up are not one fused weight");
-    }
-    /* fused bit 2: first, second and down_t are row views into one record per neuron */
-    const uint8_t *rec = (fused & 4) ? si_record_base(&first, snone ? NULL : &second, &down_t) : NULL;
-    if ((fused & 4) && !rec)
-        return PyErr_Format(PyExc_ValueError, "decode_sparse_mlp: first, second and down_t are not neuron records "
-                            "(one common row stride holding all three rows and their scales)");
-    ps = (double *)cnt + 10; /* counters: 10 int64, then the predictor's seconds as a float64 */
-    sparse_mlp_t s = {(int)act, relu_up != 0, (fused & 1) != 0, rec, F, &first, snone ? NULL : &second,
-                      (fused & 2) ? &both : NULL, fb, sb, &down_t, &down,
-                      order, db, pnone ? NULL : &w1, pnone ? NULL : &w2t, b1, cut, topk, thr, cross, upcross, cnt, ps};
-    Py_BEGIN_ALLOW_THREADS
-    si_decode_sparse_mlp(x, xo, n, nw, eps, &s, nrows >= 0 ? rows : NULL, nrows);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+/* plan_layout() -> {struct: (size, {field: offset})}: what decode_plan.py checks its ctypes
+ * mirrors against at import */
+#define FIELD(T, f) if (add_field(d, #f, offsetof(T, f))) goto fail;
+static int add_field(PyObject *d, const char *name, size_t off) {
+    PyObject *v = PyLong_FromSize_t(off);
+    int rc = v ? PyDict_SetItemString(d, name, v) : -1;
+    Py_XDECREF(v);
+    return rc;
 }
+
+static PyObject *layout_entry(size_t size, PyObject *d) {
+    if (!d) return NULL;
+    PyObject *t = Py_BuildValue("(nO)", (Py_ssize_t)size, d);
+    Py_DECREF(d);
+    return t;
+}
+
+static PyObject *py_plan_layout(PyObject *self, PyObject *unused) {
+    PyObject *out = PyDict_New(), *d = NULL, *t;
+    if (!out) return NULL;
+    d = PyDict_New();
+    if (!d) goto fail;
+    FIELD(qmat_t, fmt) FIELD(qmat_t, rows) FIELD(qmat_t, cols) FIELD(qmat_t, row_bytes) FIELD(qmat_t, ds)
+    FIELD(qmat_t, qs) FIELD(qmat_t, d) FIELD(qmat_t, m)
+    t = layout_entry(sizeof(qmat_t), d), d = NULL;
+    if (!t || PyDict_SetItemString(out, "qmat", t)) { Py_XDECREF(t); goto fail; }
+    Py_DECREF(t);
+    d = PyDict_New();
+    if (!d) goto fail;
+    FIELD(si_attn_plan_t, n) FIELD(si_attn_plan_t, n_rot) FIELD(si_attn_plan_t, eps) FIELD(si_attn_plan_t, scale)
+    FIELD(si_attn_plan_t, norm_w) FIELD(si_attn_plan_t, q) FIELD(si_attn_plan_t, o) FIELD(si_attn_plan_t, bo)
+    t = layout_entry(sizeof(si_attn_plan_t), d), d = NULL;
+    if (!t || PyDict_SetItemString(out, "attn", t)) { Py_XDECREF(t); goto fail; }
+    Py_DECREF(t);
+    d = PyDict_New();
+    if (!d) goto fail;
+    FIELD(si_ffn_plan_t, kind) FIELD(si_ffn_plan_t, flags) FIELD(si_ffn_plan_t, n) FIELD(si_ffn_plan_t, eps)
+    FIELD(si_ffn_plan_t, up_crossover) FIELD(si_ffn_plan_t, topk) FIELD(si_ffn_plan_t, norm_w)
+    FIELD(si_ffn_plan_t, first) FIELD(si_ffn_plan_t, w2t) FIELD(si_ffn_plan_t, first_bias) FIELD(si_ffn_plan_t, order)
+    FIELD(si_ffn_plan_t, records) FIELD(si_ffn_plan_t, stats)
+    t = layout_entry(sizeof(si_ffn_plan_t), d), d = NULL;
+    if (!t || PyDict_SetItemString(out, "ffn", t)) { Py_XDECREF(t); goto fail; }
+    Py_DECREF(t);
+    d = PyDict_New();
+    if (!d) goto fail;
+    FIELD(si_ffn_stats_t, tokens) FIELD(si_ffn_stats_t, predictions) FIELD(si_ffn_stats_t, predictor_seconds)
+    t = layout_entry(sizeof(si_ffn_stats_t), d), d = NULL;
+    if (!t || PyDict_SetItemString(out, "stats", t)) { Py_XDECREF(t); goto fail; }
+    Py_DECREF(t);
+    return out;
+fail:
+    Py_XDECREF(d);
+    Py_DECREF(out);
+    return NULL;
+}
+#undef FIELD
 
 /* repack_q4_k(src, nsuper, qs, d, m) / repack_q6_k(src, nsuper, qs, d): see repack.c */
 static PyObject *py_repack_q4_k(PyObject *self, PyObject *const *a, Py_ssize_t na) {
@@ -528,23 +535,25 @@ static PyObject *py_repack_q6_k(PyObject *self, PyObject *const *a, Py_ssize_t n
 static PyObject *py_noop(PyObject *self, PyObject *const *a, Py_ssize_t na) { Py_RETURN_NONE; }
 
 static PyMethodDef methods[] = {
-    {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(fmt, rows, cols, qs, d, m, qs_stride, d_stride, x, y)"},
-    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(fmt, rows, cols, qs, d, m, qs_stride, d_stride, X, M, Y)"},
-    {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, x, idx, n, y)"},
-    {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, h, idx, n, y)"},
-    {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate*8, up*8, down_t*8, x, idx, n, y)"},
+    {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(w, x, y)"},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
+    {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
+    {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(w, h, idx, n, y)"},
+    {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate, up, down_t, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},
     {"read_seconds", (PyCFunction)(void (*)(void))py_read_seconds, METH_FASTCALL, "read_seconds(ptr, nbytes, reps)"},
     {"read_rows_seconds", (PyCFunction)(void (*)(void))py_read_rows_seconds, METH_FASTCALL, "read_rows_seconds(ptr, row_bytes, idx, n, reps, prefetch)"},
     {"advise_hugepages", (PyCFunction)(void (*)(void))py_advise_hugepages, METH_FASTCALL, "advise_hugepages(ptr, nbytes) -> bytes advised"},
-    {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(fmt, rows, cols, qs, d, m, qs_stride, d_stride, r0, r1, out)"},
+    {"dequantize_rows", (PyCFunction)(void (*)(void))py_dequantize_rows, METH_FASTCALL, "dequantize_rows(w, r0, r1, out)"},
     {"act", (PyCFunction)(void (*)(void))py_act, METH_FASTCALL, "act(code, v, n): v = act(v) in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"hidden_rows", (PyCFunction)(void (*)(void))py_hidden_rows, METH_FASTCALL, "hidden_rows(act, relu_up, g, g_stride, u, u_stride, M, n, thr, order, out)"},
     {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
-    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(x, xo, n, norm_w, eps, q*8, k*8, v*8, bq, bk, bv, H, Hk, D, n_rot, cos, sin, kc, vc, kstride, vstride, pos, o*8, o_bias, scale)"},
-    {"decode_mlp", (PyCFunction)(void (*)(void))py_decode_mlp, METH_FASTCALL, "decode_mlp(x, xo, n, norm_w, eps, act, relu_up, gate*8, up*8, F, down*8)"},
-    {"decode_sparse_mlp", (PyCFunction)(void (*)(void))py_decode_sparse_mlp, METH_FASTCALL, "decode_sparse_mlp(x, xo, norm_w, eps, rows, n_rows, n, act, relu_up, fused, F, first*8, first_bias, second*8, second_bias, down_t*8, down*8, order, down_bias, w1*8, b1, w2t*8, cut, topk, threshold, crossover, up_crossover, counters)"},
+    {"check_attn_plan", py_check_attn_plan, METH_O, "check_attn_plan(plan): validate and complete an attention decode plan"},
+    {"check_ffn_plan", py_check_ffn_plan, METH_O, "check_ffn_plan(plan): validate and complete an FFN decode plan"},
+    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(plan, x, xo, cos, sin, kc, vc, kstride, vstride, pos)"},
+    {"decode_ffn", (PyCFunction)(void (*)(void))py_decode_ffn, METH_FASTCALL, "decode_ffn(plan, x, xo, rows, n_rows)"},
+    {"plan_layout", py_plan_layout, METH_NOARGS, "plan_layout(): sizes and field offsets of the plan structs"},
     {"repack_q4_k", (PyCFunction)(void (*)(void))py_repack_q4_k, METH_FASTCALL, "repack_q4_k(src, nsuper, qs, d, m)"},
     {"repack_q6_k", (PyCFunction)(void (*)(void))py_repack_q6_k, METH_FASTCALL, "repack_q6_k(src, nsuper, qs, d)"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "call-overhead baseline"},

@@ -40,36 +40,71 @@ void si_attend1(const float *q, const float *k, const float *v, float *o, int64_
 void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
 /* grow-only per-thread buffer `slot` (0..6, see ops.c) of at least n bytes, 64-byte aligned */
 void *si_scratch(int slot, size_t n);
-/* fused single-token decode steps of a pre-norm transformer block (decode.c) */
-void si_decode_attn(const float *x, float *xo, int64_t n, const float *norm_w, float eps, const qmat_t *q,
-                    const qmat_t *k, const qmat_t *v, const float *bq, const float *bk, const float *bv, int64_t H,
-                    int64_t Hk, int64_t D, int64_t n_rot, const float *cos, const float *sin, float *kc, float *vc,
-                    int64_t kstride, int64_t vstride, int64_t pos, const qmat_t *o, const float *o_bias,
-                    float scale);
-void si_decode_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps, int act, int relu_up,
-                   const qmat_t *gate, const qmat_t *upm, int64_t F, const qmat_t *down);
-/* one token through an activation-sparse FFN (decode.c; SparseFFN in sparseinfer/sparse/ffn.py) */
+/* ---- decode plans: what one token's half-block step needs, packed once per layer at load.
+ * sparseinfer/kernels/decode_plan.py mirrors these structs field for field (ctypes) and fills
+ * them; si_check_*_plan validates a filled plan once (shapes, formats, pointers) and completes
+ * its weight descriptors; the steps then run on it per token (decode.c). */
+
+/* what the sparse FFN step did, summed over the tokens since the counters were zeroed */
 typedef struct {
-    int act, relu_up, fused;          /* fused: the one-pass kernel over the candidate rows */
-    const uint8_t *records;           /* base of first/second/down_t's neuron records (si_record_base), or NULL */
-    int64_t F;                        /* neurons, in hotness order */
-    const qmat_t *first, *second;     /* gate and up, or (plain FFN) up and NULL */
-    const qmat_t *first_up;           /* gate rows then up rows of one buffer (dense gate+up), or NULL */
-    const float *first_bias, *second_bias;
-    const qmat_t *down_t, *down;      /* (F, n) neuron-major in hotness order; (n, F) as stored */
-    const int32_t *order;             /* order[k]: stored column of neuron k */
-    const float *down_bias;
-    const qmat_t *w1, *w2t;           /* the predictor, or NULL */
-    const float *b1, *cut;
-    int64_t topk;                     /* > 0: that many rows, the highest scores (forced density) */
-    float threshold;                  /* keep |a| > threshold */
-    float crossover, up_crossover;    /* down / up dense above that many kept (x F), else on the kept rows */
-    int64_t *counters;                /* tokens, fused-kernel rows, first-projection rows, gate+up passes,
-                                         dense ups, up rows, dense downs, down_t rows, kept, predictions */
-    double *pred_seconds;
-} sparse_mlp_t;
-void si_decode_sparse_mlp(const float *x, float *xo, int64_t n, const float *norm_w, float eps,
-                          const sparse_mlp_t *s, const int32_t *given, int64_t n_given);
+    int64_t tokens;
+    int64_t fused_rows;        /* candidate rows through the one-pass fused kernel */
+    int64_t first_rows;        /* rows of the first projection (gate, or up of a plain FFN) */
+    int64_t gate_up_passes;    /* dense passes over the fused gate+up weight */
+    int64_t dense_ups;         /* dense passes over up */
+    int64_t up_rows;           /* rows of up on the kept neurons */
+    int64_t dense_downs;       /* dense passes over the stored down */
+    int64_t down_rows;         /* rows of the neuron-major down_t */
+    int64_t kept;              /* neurons kept (computed) */
+    int64_t predictions;       /* predictor runs */
+    double predictor_seconds;
+} si_ffn_stats_t;
+
+typedef struct {
+    int64_t n;                 /* model width */
+    int64_t H, Hk, D, n_rot;   /* heads, KV heads, head width, rotated dims (0: no rotary) */
+    float eps, scale;          /* RMSNorm epsilon; attention scale */
+    const float *norm_w;       /* (n) */
+    qmat_t q, k, v, o;         /* k.fmt = v.fmt = -1: q is the fused q/k/v weight */
+    const float *bq, *bk, *bv, *bo;  /* biases or NULL (bq covers all fused rows) */
+} si_attn_plan_t;
+
+enum { FFN_DENSE = 0, FFN_SPARSE = 1 };
+enum { FFN_FUSED = 1, FFN_GATE_UP = 2, FFN_RECORDS = 4 };
+
+typedef struct {
+    int32_t kind;              /* FFN_DENSE or FFN_SPARSE */
+    int32_t act;               /* ACT_* */
+    int32_t relu_up;           /* dReLU: ReLU on up as well */
+    int32_t flags;             /* FFN_FUSED | FFN_GATE_UP | FFN_RECORDS (sparse) */
+    int64_t n, F;              /* width; neurons (hotness order when sparse) */
+    float eps;
+    float threshold;           /* keep |a| > threshold (sparse) */
+    float crossover;           /* down dense above crossover * F kept */
+    float up_crossover;        /* up dense above up_crossover * F kept */
+    int64_t topk;              /* > 0: that many predicted rows, the highest scores */
+    const float *norm_w;       /* (n), or NULL: xo = ffn(x) instead of x + ffn(rms_norm(x)) */
+    qmat_t first, second;      /* gate and up; plain FFN: up and second.fmt = -1 */
+    qmat_t gate_up;            /* gate rows then up rows of one weight, or fmt -1 */
+    qmat_t down;               /* (n, F) as stored; sparse: may be absent (fmt -1: down never dense) */
+    qmat_t down_t;             /* (F, n) neuron-major in hotness order (sparse) */
+    qmat_t w1, w2t;            /* predictor (sparse), or fmt -1 */
+    const float *first_bias, *second_bias, *down_bias, *b1, *cut;
+    const int32_t *order;      /* order[k]: stored down column of neuron k (sparse) */
+    const uint8_t *records;    /* base of the neuron records (FFN_RECORDS), set by the check */
+    si_ffn_stats_t stats;
+} si_ffn_plan_t;
+
+/* 0, or a message naming what is inconsistent (static storage) */
+const char *si_check_attn_plan(si_attn_plan_t *p);
+const char *si_check_ffn_plan(si_ffn_plan_t *p);
+/* xo = x + attention(rms_norm(x)) for one token at `pos`, appending its k/v to the caches
+ * (KV head h, row pos at kc + h*kstride + pos*D); x and xo may alias */
+void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
+                    float *kc, float *vc, int64_t kstride, int64_t vstride, int64_t pos);
+/* xo = x + ffn(rms_norm(x)) (norm_w set) or ffn(x); rows/n_rows: given candidate rows (sparse;
+ * NULL: predicted, or all); x and xo may alias */
+void si_decode_ffn(si_ffn_plan_t *p, const float *x, float *xo, const int32_t *rows, int64_t n_rows);
 double si_read_seconds(const uint8_t *p, int64_t nbytes, int reps);
 double si_read_rows_seconds(const uint8_t *p, int64_t row_bytes, const int32_t *rows, int64_t n, int reps, int prefetch);
 

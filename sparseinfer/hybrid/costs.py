@@ -9,8 +9,8 @@ from torch import nn
 from ..models.layers import Rotary
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 from ..sparse.ffn import SparseFFN
-from .device_ops import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes, qweight_device_nbytes
-from .ffn import DevicePredictor, FFNPart
+from ..kernels.torch_device import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes, qweight_device_nbytes
+from .ffn import FFNPart
 from .placement import CostModel, LayerCosts
 
 MiB = 1 << 20
@@ -71,7 +71,7 @@ def neuron_bytes(ffn: nn.Module) -> int:
 
 def predictor_device_bytes(ffn: nn.Module) -> int:
     pred = getattr(ffn, "predictor", None)
-    return 0 if pred is None else DevicePredictor.device_bytes(pred)
+    return 0 if pred is None else pred.device_nbytes()
 
 
 def dense_ffn_bytes(ffn: nn.Module) -> int:

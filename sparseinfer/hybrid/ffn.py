@@ -2,11 +2,13 @@
 
 `SparseFFN` (sparseinfer.sparse) stores neurons in hotness order, so the hot set is the prefix
 [0, n_hot) and the cold set the rest.  `HybridFFN` computes exactly what that `SparseFFN`
-computes (same threshold, predictor and modes), with the work split:
+computes (same threshold, predictor and modes) as two parts of one FFN added together, each
+running the one sparse-FFN algorithm on its own neurons:
 
-- one token (decode) with a predictor: the predicted rows are split at n_hot; the active hot
-  rows run on the accelerator with torch ops (`device_ops`), the active cold rows on the CPU
-  with the C sparse kernels in a worker thread (they release the GIL, so the two overlap);
+- one token (decode): the predicted rows are split at n_hot; the device part runs
+  `kernels.reference.sparse_ffn_token` with torch row products on the accelerator
+  (`kernels.torch_device`), the CPU part the same algorithm's C step (`kernels.decode_plan`,
+  no norm, no residual) in a worker thread (it releases the GIL, so the two overlap);
 - several tokens (prefill, batches) or no predictor: every neuron, hot block on the
   accelerator, cold block on the CPU, threshold (and per-token predictor) masks applied;
 
@@ -22,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
-from ..models.layers import kernel_act_name
+from ..kernels import cpu, decode_plan
+from ..kernels import reference as ref
+from ..kernels import torch_device as dev
+from ..kernels.reference import canonical_activation
 from ..quant import QWeight
 from ..sparse.ffn import MODES, DecodeStats, SparseFFN
-from . import device_ops as dev
 
 
 @dataclass
@@ -77,25 +80,6 @@ class FFNPart:
         return b
 
 
-class DevicePredictor:
-    """A `QPredictor`'s weights on the accelerator (same q8 format), same decision rule:
-    neuron k is predicted active when (W2 relu(W1 x + b1))_k > tau - b2_k."""
-
-    def __init__(self, qp, device: torch.device):
-        self.w1, self.w2t = qp.w1.to(device), qp.w2t.to(device)
-        self.b1, self.cut = qp.b1.to(device), qp.cut.to(device)
-
-    @staticmethod
-    def device_bytes(qp) -> int:
-        """Device bytes of a `QPredictor` (or of this) once moved."""
-        return (dev.qweight_device_nbytes(qp.w1) + dev.qweight_device_nbytes(qp.w2t) + dev.device_nbytes(qp.b1)
-                + dev.device_nbytes(qp.cut))
-
-    def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
-        z = torch.relu(dev.matmul(self.w1, x2) + self.b1)
-        return dev.matmul_t(z, self.w2t) > self.cut
-
-
 class CpuWorker:
     """One background thread that runs the cold neurons while the accelerator works."""
 
@@ -124,7 +108,7 @@ class HybridFFN(nn.Module):
 
     hot: neurons [0, n_hot) on `accel` (None when n_hot = 0); cold: the rest on the CPU (None
     when every neuron is hot).  `home` is where the block's residual stream lives (the output
-    goes back there).  `predictor`: the pack's CPU `QPredictor`, or a `DevicePredictor`."""
+    goes back there).  `predictor`: the pack's `QPredictor`, on the CPU or on `accel`."""
 
     def __init__(self, hot: FFNPart | None, cold: FFNPart | None, act, act_name: str, accel: torch.device,
                  home: torch.device, threshold: float = 0.0, down_bias: torch.Tensor | None = None,
@@ -133,23 +117,23 @@ class HybridFFN(nn.Module):
         self.hot, self.cold, self.act, self.act_name = hot, cold, act, act_name
         self.accel, self.home = torch.device(accel), torch.device(home)
         self.threshold, self.predictor, self.mode = float(threshold), predictor, mode
-        self.on_device_predictor = isinstance(predictor, DevicePredictor)
+        self.on_device_predictor = predictor is not None and predictor.device.type != "cpu"
         self.worker = worker or CpuWorker()
         self.n_hot = 0 if hot is None else hot.n
         self.n_neurons = self.n_hot + (0 if cold is None else cold.n)
         self.out_device = self.accel if hot is not None else torch.device("cpu")
         self.down_bias = None if down_bias is None else down_bias.float().to(self.out_device)
-        self.kernel_act = kernel_act_name(act_name)
+        self.kernel_act = canonical_activation(act_name)
         self._fused = (self.threshold == 0.0 and act_name != "drelu" and self.kernel_act in
                        ("silu", "relu", "gelu", "gelu_tanh") and (cold is None or (cold.gate_bias is None
                                                                                    and cold.up_bias is None)))
-        self._cold_ids = None if cold is None else torch.arange(cold.n, dtype=torch.int32)
+        self._cold_step = None  # the CPU part's C step, built on first use
         self.stats = DecodeStats()
         some = hot if hot is not None else cold
         self._n_mats = 2 if some.gate is None else 3
         self._row_bytes = some.neuron_bytes()
         self._predictor_bytes = 0 if predictor is None else (
-            DevicePredictor.device_bytes(predictor) if self.on_device_predictor else predictor.nbytes)
+            predictor.device_nbytes() if self.on_device_predictor else predictor.nbytes)
         self.split = {"hot_rows": 0, "cold_rows": 0}  # predicted rows served by each side (decode)
 
     @classmethod
@@ -163,7 +147,7 @@ class HybridFFN(nn.Module):
         cold = part.rows(n_hot, n, "cpu") if n_hot < n else None
         pred = ffn.predictor
         if pred is not None and predictor_on_device:
-            pred = DevicePredictor(pred, accel)
+            pred = pred.to(accel)
         return cls(hot, cold, ffn.act, ffn.act_name, accel, home, ffn.threshold, ffn.down.bias, pred, ffn.mode, worker)
 
     # `SparseFFN`-compatible attributes for the sparse package's helpers (stats, modes)
@@ -240,65 +224,30 @@ class HybridFFN(nn.Module):
         return rows[:k].long().to(self.accel), rows[k:] - self.n_hot
 
     def _hot_rows(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the hot part for one token, on the accelerator: the in-set threshold cut
-        is a mask (no device->host sync), zeroed rows add nothing."""
-        part = self.hot
-        y = torch.zeros(part.down_t.cols, dtype=torch.float32, device=x.device)
-        step = dev.chunk_rows(part.up)
-        for a in range(0, ids.numel(), step):
-            idx = ids[a: a + step]
-            pre = dev.matmul(part.first.select_rows(idx), x[None])[0]
-            if part.first_bias is not None:
-                pre = pre + part.first_bias.index_select(0, idx)
-            h = self._hidden_from_first(pre, part, idx, x)
-            y += dev.matmul_t(h[None], part.down_t.select_rows(idx))[0]
-        return y
-
-    def _hidden_from_first(self, pre: torch.Tensor, part: FFNPart, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        a = self.act(pre)
-        keep = a.abs() > self.threshold
-        if part.gate is None:
-            return a * keep
-        u = dev.matmul(part.up.select_rows(idx), x[None])[0]
-        if part.up_bias is not None:
-            u = u + part.up_bias.index_select(0, idx)
-        if self.act_name == "drelu":
-            u = F.relu(u)
-        return a * u * keep
+        """Rows `ids` of the device part for one token: the one-token algorithm with torch row
+        products on the accelerator (the threshold cut is a mask: no device->host sync)."""
+        h = self.hot
+        return ref.sparse_ffn_token(x, h.first, h.up if h.gate is not None else None, h.down_t, self.kernel_act,
+                                    self.threshold, ids, h.first_bias, h.up_bias if h.gate is not None else None,
+                                    relu_up=self.act_name == "drelu", rows_gemv=dev.rows_gemv, rows_axpy=dev.rows_axpy)
 
     def _cold_rows(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """Rows `rows` of the cold part for one token on the CPU (worker thread): the fused
-        kernel when no cut is needed, else staged like `SparseFFN._staged` (rows None: the
-        first projection over every cold row, then the threshold)."""
+        """Rows `rows` (None: all) of the CPU part for one token (worker thread): the same
+        algorithm's C step, or its reference without the compiled kernels."""
         c = self.cold
-        if rows is None:
-            pre = cpu.gemv(c.first, x)
-            if c.first_bias is not None:
-                pre = pre + c.first_bias
-            rows = self._cold_ids
-        else:
-            if rows.numel() == 0:
-                return torch.zeros(c.down_t.cols)
-            if self._fused:
-                return cpu.sparse_ffn(x, c.gate, c.up, c.down_t, rows, self.kernel_act)
-            pre = cpu.gemv_rows(c.first, x, rows)
-            if c.first_bias is not None:
-                pre = pre + c.first_bias[rows]
-        a = self.act(pre)
-        keep = a.abs() > self.threshold
-        kept = rows[keep]
-        if kept.numel() == 0:
-            return torch.zeros(c.down_t.cols)
-        if c.gate is None:
-            h = a[keep]
-        else:
-            u = cpu.gemv_rows(c.up, x, kept)
-            if c.up_bias is not None:
-                u = u + c.up_bias[kept]
-            if self.act_name == "drelu":
-                u = F.relu(u)
-            h = a[keep] * u
-        return cpu.axpy_rows(c.down_t, h.contiguous(), kept)
+        second = c.up if c.gate is not None else None
+        second_bias = c.up_bias if c.gate is not None else None
+        if not decode_plan.available():
+            return ref.sparse_ffn_token(x, c.first, second, c.down_t, self.kernel_act, self.threshold, rows,
+                                        c.first_bias, second_bias, relu_up=self.act_name == "drelu")
+        if self._cold_step is None:
+            self._cold_step = decode_plan.sparse_ffn_step(
+                act=self.kernel_act, relu_up=self.act_name == "drelu", first=c.first, second=second, down_t=c.down_t,
+                down=None, order=None, threshold=self.threshold, crossover=1.0, up_crossover=1.0,
+                first_bias=c.first_bias, second_bias=second_bias, fused=self._fused)
+        y = torch.empty(c.down_t.cols)
+        self._cold_step.run(x, y, None if rows is None else rows.to(torch.int32).contiguous())
+        return y
 
     # ------------------------------------------------------------------ many tokens: every neuron
     def _dense(self, x2: torch.Tensor, per_token: bool) -> torch.Tensor:

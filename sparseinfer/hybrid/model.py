@@ -23,7 +23,7 @@ from ..quant import QWeight
 from ..sparse.apply import ffn_slots
 from ..sparse.ffn import SparseFFN
 from .costs import DEVICE_CHUNK, HEAD_PIECE, kv_bytes
-from .device_ops import ALLOC_ROUND, DeviceLinear
+from ..kernels.torch_device import ALLOC_ROUND, device_nbytes, matmul, qweight_device_nbytes
 from .ffn import CpuWorker, HybridFFN
 from .placement import Placement
 
@@ -139,9 +139,14 @@ class HybridCausalLM(CausalLM):
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)[None]
+        if tokens.numel() == 1:  # CPU layers on their C decode steps, the others as modules
+            return self.decode_layers(x, positions, cache)
         for i, layer in enumerate(self.layers):
             x = layer(x.to(self.homes[i]), positions, cache[i])
         return x
+
+    def layer_device(self, i: int) -> torch.device:
+        return self.homes[i]
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits on the CPU; on the device `HEAD_PIECE` tokens at a time (vocab-wide rows)."""
@@ -163,9 +168,41 @@ class HybridCausalLM(CausalLM):
 
 
 # ------------------------------------------------------------------------------- moving parts
+class DeviceLinear(nn.Module):
+    """`Linear` for a weight that lives on an accelerator (or torch-CPU standing in for one)."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    @classmethod
+    def moved(cls, linear: nn.Module, device: torch.device) -> "DeviceLinear":
+        bias = None if linear.bias is None else linear.bias.float().to(device)
+        return cls(linear.weight.to(device), bias)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.cols
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.rows
+
+    def nbytes(self) -> int:
+        return qweight_device_nbytes(self.weight) + device_nbytes(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = matmul(self.weight, x.reshape(-1, x.shape[-1]).float())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, -1)
+
+
 def move_module(m: nn.Module, device: torch.device) -> nn.Module:
     """Move every tensor of a module tree to `device`; `Linear`s become `DeviceLinear`s.
     Norm weights and biases become float32 (they are computed in float32 anyway)."""
+    m.__dict__.pop("_step", None)  # a C decode step built from the CPU weights
     if isinstance(m, Linear):
         return DeviceLinear.moved(m, device)
     for name, child in list(m.named_children()):
@@ -238,4 +275,5 @@ def apply_placement(model: CausalLM, placement: Placement, accel: torch.device |
     if placement.head_on_device:
         model.norm = move_module(model.norm, accel)
         model.head = DeviceLinear.moved(model.head, accel)
+    model.drop_steps()
     return HybridCausalLM(model, placement, accel, ctx_size, homes, worker, kv_dtype, n_seq)

@@ -18,16 +18,21 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+import ctypes
+
 from sparseinfer.kernels import reference
+from sparseinfer.kernels.cstructs import QMat, check_layout
 from sparseinfer.quant import FORMATS, QWeight
 
 try:
     from sparseinfer import _cpu
-except ImportError as e:  # no compiler at install time
+
+    check_layout(_cpu)
+except ImportError as e:  # no compiler at install time, or a stale build
     _cpu = None
     _IMPORT_ERROR = e
 
-__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "decode_attn", "decode_mlp", "matmul_f32", "dequantize_rows", "set_num_threads",
+__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5}
@@ -56,15 +61,18 @@ def _fallback() -> bool:
     return False
 
 
-def _desc(w: QWeight) -> tuple:
-    """(fmt, rows, cols, qs_ptr, d_ptr, m_ptr, qs_row_stride_bytes, d_row_stride), cached on the
-    QWeight after checking it once.  Rows may be strided (row views into a larger buffer, e.g.
-    `SparseFFN`'s neuron records); values within a row must be contiguous."""
-    cache = w.__dict__.get("_cpu_desc")
-    # the data pointer check also catches copies made by pickling (which copy this cache)
-    if cache is not None and cache[0] is w.qs and cache[1] is w.d and cache[2] is w.m \
-            and cache[3][3] == w.qs.data_ptr():
-        return cache[3]
+def _desc(w: QWeight) -> int:
+    """The address of the weight's C descriptor (a `cstructs.QMat`), built and cached on the
+    QWeight after checking its tensors once.  Rows may be strided (row views into a larger
+    buffer, e.g. `SparseFFN`'s neuron records); values within a row must be contiguous."""
+    return qmat(w)[1]
+
+
+def qmat(w: QWeight) -> tuple[QMat, int]:
+    """(`QMat`, its address) describing `w` to C; cached while w's tensors stay the same."""
+    c = w.__dict__.get("_cpu_desc")
+    if c is not None and c.qs is w.qs and c.d is w.d and c.m is w.m and c.desc.qs == w.qs.data_ptr():
+        return c.desc, c.addr
     if not isinstance(w, QWeight):
         raise ValueError(f"expected a QWeight, got {type(w).__name__}")
     if w.fmt not in _FMT:
@@ -87,9 +95,24 @@ def _desc(w: QWeight) -> tuple:
             m = w.m.data_ptr()
         elif w.fmt == "q4":
             raise ValueError("q4 weight needs mins m")
-    desc = (_FMT[w.fmt], w.rows, w.cols, w.qs.data_ptr(), d, m, qst * w.qs.element_size(), dst)
-    w.__dict__["_cpu_desc"] = (w.qs, w.d, w.m, desc)
-    return desc
+    desc = QMat(fmt=_FMT[w.fmt], rows=w.rows, cols=w.cols, row_bytes=qst * w.qs.element_size(), ds=dst,
+                qs=w.qs.data_ptr(), d=d or None, m=m or None)
+    c = w.__dict__["_cpu_desc"] = _DescCache(w, desc)
+    return desc, c.addr
+
+
+class _DescCache:
+    """A QWeight's C descriptor and the tensors it was made from; a copy of the QWeight (deep
+    copy, pickle) gets none, since the descriptor's pointers address the original's tensors."""
+
+    def __init__(self, w: QWeight, desc: QMat):
+        self.qs, self.d, self.m, self.desc, self.addr = w.qs, w.d, w.m, desc, ctypes.addressof(desc)
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
 
 
 def _check_tensor(t, what, dtype, shape) -> int:
@@ -146,7 +169,7 @@ def gemv(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     desc = _desc(w)
     x = _vec(x, w.cols)
     y = _out(out, w.rows)
-    _cpu.gemv(*desc, x.data_ptr(), y.data_ptr())
+    _cpu.gemv(desc, x.data_ptr(), y.data_ptr())
     return y
 
 
@@ -169,7 +192,7 @@ def matmul(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torc
                 or not out.is_contiguous() or not out.is_cpu:
             raise ValueError(f"out must be a contiguous float32 CPU tensor of shape ({m}, {w.rows})")
         y = out
-    _cpu.matmul(*desc, x.data_ptr(), m, y.data_ptr())
+    _cpu.matmul(desc, x.data_ptr(), m, y.data_ptr())
     return y
 
 
@@ -183,7 +206,7 @@ def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor
     rows = _rows(rows)
     n = rows.numel()
     y = _out(out, n)
-    _cpu.gemv_rows(*desc, x.data_ptr(), rows.data_ptr(), n, y.data_ptr())
+    _cpu.gemv_rows(desc, x.data_ptr(), rows.data_ptr(), n, y.data_ptr())
     return y
 
 
@@ -197,11 +220,11 @@ def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor, out: torch.Tenso
     n = rows.numel()
     h = _vec(h, n, "h")
     y = _out(out, wt.cols)
-    _cpu.axpy_rows(*desc, h.data_ptr(), rows.data_ptr(), n, y.data_ptr())
+    _cpu.axpy_rows(desc, h.data_ptr(), rows.data_ptr(), n, y.data_ptr())
     return y
 
 
-_NO_GATE = (-1, 0, 0, 0, 0, 0, 0, 0)
+_NO_GATE = 0  # no weight
 
 
 def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeight,
@@ -228,7 +251,7 @@ def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeig
     x = _vec(x, up.cols)
     rows = _rows(rows)
     y = _out(out, down_t.cols)
-    _cpu.sparse_ffn(code, *dg, *du, *dd, x.data_ptr(), rows.data_ptr(), rows.numel(), y.data_ptr())
+    _cpu.sparse_ffn(code, dg, du, dd, x.data_ptr(), rows.data_ptr(), rows.numel(), y.data_ptr())
     return y
 
 
@@ -245,7 +268,7 @@ def dequantize_rows(w: QWeight, r0: int = 0, r1: int | None = None, out: torch.T
         _fallback()
         out.copy_(w.dequantize()[r0:r1])
         return out
-    _cpu.dequantize_rows(*_desc(w), r0, r1, out.data_ptr())
+    _cpu.dequantize_rows(_desc(w), r0, r1, out.data_ptr())
     return out
 
 
@@ -282,7 +305,7 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
                 s = dequantize_rows(w, r0, r1, scratch[: r1 - r0])
             else:
                 s = scratch[: r1 - r0]
-                _cpu.dequantize_rows(*desc, r0, r1, s.data_ptr())
+                _cpu.dequantize_rows(desc, r0, r1, s.data_ptr())
             torch.mm(s, xt, out=yt[r0:r1])
     finally:
         if old != n:
@@ -363,62 +386,6 @@ def _ptr(t) -> int:
 def _check_f32(t, what):
     if t is not None and (t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous()):
         raise ValueError(f"{what} must be a contiguous float32 CPU tensor")
-
-
-def decode_attn(x: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                qkv: tuple[QWeight, QWeight | None, QWeight | None],
-                biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-                n_heads: int, n_kv_heads: int, d_head: int, n_rot: int, cos: torch.Tensor | None,
-                sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, o: QWeight,
-                o_bias: torch.Tensor | None) -> torch.Tensor:
-    """One token through a pre-norm attention half-block in one call (csrc/decode.c):
-    ``x + o(attend(rope(qkv(rms_norm(x))))) (+ o_bias)``, writing this token's rotated k and v
-    at row `pos` of the caches (n_kv_heads, capacity, d_head) and attending over rows 0..pos.
-    qkv: the q, k, v weights (rows n_heads*d_head, n_kv_heads*d_head twice), or (fused, None,
-    None) with all rows stacked; biases likewise.  cos/sin: the rotary rows (n_rot values,
-    rotate-half) of this token's position.  Float32 contiguous CPU tensors; x has n =
-    q.cols values.  Needs the compiled core."""
-    if _cpu is None:
-        raise RuntimeError("decode_attn needs the compiled kernels (sparseinfer._cpu)")
-    q, k, v = qkv
-    n = q.cols
-    for t, what in ((x, "x"), (norm_w, "norm_w"), (k_cache, "k_cache"), (v_cache, "v_cache"), (biases[0], "bias"),
-                    (biases[1], "bias"), (biases[2], "bias"), (o_bias, "o_bias"), (cos, "cos"), (sin, "sin")):
-        _check_f32(t, what)
-    cap = k_cache.shape[-2]
-    if x.numel() != n or norm_w.numel() != n or k_cache.shape != v_cache.shape or k_cache.numel() != n_kv_heads * cap * d_head \
-            or not 0 <= pos < cap or (n_rot and (cos is None or sin is None or cos.numel() < n_rot or sin.numel() < n_rot)):
-        raise ValueError("decode_attn: inconsistent shapes")
-    y = torch.empty(n, dtype=_F32)
-    _cpu.decode_attn(x.data_ptr(), y.data_ptr(), n, norm_w.data_ptr(), float(eps), *_desc(q),
-                     *(_NO_GATE if k is None else _desc(k)), *(_NO_GATE if v is None else _desc(v)),
-                     _ptr(biases[0]), _ptr(biases[1]), _ptr(biases[2]), n_heads, n_kv_heads, d_head, n_rot,
-                     _ptr(cos), _ptr(sin), k_cache.data_ptr(), v_cache.data_ptr(), cap * d_head, cap * d_head, pos,
-                     *_desc(o), _ptr(o_bias), d_head ** -0.5)
-    return y
-
-
-def decode_mlp(x: torch.Tensor, norm_w: torch.Tensor, eps: float, act: str, gate: QWeight, up: QWeight | None,
-               down: QWeight, relu_up: bool = False) -> torch.Tensor:
-    """One token through a pre-norm gated MLP half-block in one call (csrc/decode.c):
-    ``x + down(act(gate xn) * up xn)``, xn = rms_norm(x); `up` None: `gate` is the fused
-    projection (the F gate rows, then the F up rows).  `relu_up` also applies ReLU to up
-    (dReLU).  act: silu, relu, gelu (erf), gelu_tanh.  Needs the compiled core."""
-    code = _ACT.get(act)
-    if code is None:
-        raise ValueError(f"unknown activation {act!r}; expected one of {tuple(_ACT)}")
-    if _cpu is None:
-        raise RuntimeError("decode_mlp needs the compiled kernels (sparseinfer._cpu)")
-    n = gate.cols
-    for t, what in ((x, "x"), (norm_w, "norm_w")):
-        _check_f32(t, what)
-        if t.numel() != n:
-            raise ValueError(f"{what} must have {n} values, has {t.numel()}")
-    y = torch.empty(n, dtype=_F32)
-    _cpu.decode_mlp(x.data_ptr(), y.data_ptr(), n, norm_w.data_ptr(), float(eps), code, int(bool(relu_up)),
-                    *_desc(gate), *(_NO_GATE if up is None else _desc(up)), gate.rows // (1 if up is not None else 2),
-                    *_desc(down))
-    return y
 
 
 def _store(y, out):

@@ -33,19 +33,31 @@ from sparseinfer.quant import BLOCK, QWeight, padded, unpack_nibbles, unpack_q6
 
 INT_FORMATS = ("q8", "q4", "q6")
 
+# The activation table: every name a config may use, mapped to the one of ACTIVATIONS that
+# computes it (the C kernels' names, in the order of their ACT_* codes).  dReLU (Bamboo,
+# TurboSparse) is ReLU on gate and on up: its `relu_up` flag is set by the FFN.
 ACTIVATIONS = ("silu", "relu", "gelu", "gelu_tanh")
+ACTIVATION_ALIASES = {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "drelu": "relu"}
+_ACT_FNS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu,
+            "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
+def canonical_activation(name: str) -> str:
+    """A config's activation name as one of ACTIVATIONS; ValueError for an unknown one."""
+    got = ACTIVATION_ALIASES.get(name, name)
+    if got not in ACTIVATIONS:
+        known = ", ".join((*ACTIVATIONS, *ACTIVATION_ALIASES))
+        raise ValueError(f"activation {name!r} is not supported (supported: {known})")
+    return got
+
+
+def activation_fn(name: str):
+    """The torch function of activation `name` (any spelling of the table)."""
+    return _ACT_FNS[canonical_activation(name)]
 
 
 def activation(name: str, v: torch.Tensor) -> torch.Tensor:
-    if name == "silu":
-        return F.silu(v)
-    if name == "relu":
-        return F.relu(v)
-    if name == "gelu":
-        return F.gelu(v)
-    if name == "gelu_tanh":
-        return F.gelu(v, approximate="tanh")
-    raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
+    return activation_fn(name)(v)
 
 
 def gemv(w: QWeight, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +86,51 @@ def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeig
     u = gemv_rows(up, x, rows)
     h = activation(act, u) if gate is None else activation(act, gemv_rows(gate, x, rows)) * u
     return axpy_rows(down_t, h, rows)
+
+
+def predict_rows(x: torch.Tensor, w1: QWeight, b1: torch.Tensor, w2t: QWeight, cut: torch.Tensor,
+                 topk: int = 0, matvec=None) -> torch.Tensor:
+    """A predictor's rows for one token x (d,), ascending: score = W2t^T relu(W1 x + b1);
+    neuron k is active when score_k > cut_k, or (topk > 0) the topk highest score_k - cut_k
+    (ties: the lowest ids).  matvec(w, x) -> W x (default `gemv`); W2t^T z is computed as
+    z @ W2t, never re-quantizing z."""
+    z = torch.relu((matvec or gemv)(w1, x) + b1)
+    score = z @ w2t.dequantize().to(z.device)
+    if topk <= 0:
+        return (score > cut).nonzero().view(-1)
+    best = (score - cut).sort(descending=True, stable=True).indices[:topk]
+    return best.sort().values
+
+
+def sparse_ffn_token(x: torch.Tensor, first: QWeight, second: QWeight | None, down_t: QWeight, act: str,
+                     threshold: float, rows: torch.Tensor | None = None, first_bias: torch.Tensor | None = None,
+                     second_bias: torch.Tensor | None = None, relu_up: bool = False,
+                     rows_gemv=None, rows_axpy=None) -> torch.Tensor:
+    """The one-token activation-sparse FFN: the algorithm `csrc/decode.c` runs (its C step).
+
+    Neurons are in hotness order; first = gate (or up of a plain FFN), second = up or None,
+    down_t = the down projection neuron-major (one row per neuron).  Over the candidate rows
+    (default all): a = act(first x + b), h = a * (second x + b) (ReLU'd for dReLU; h = a
+    without second); a neuron counts only when |a| > threshold; y = sum_k h_k down_t[k].
+    rows_gemv / rows_axpy: the row products (default this module's; the hybrid FFN's device
+    part passes torch ones).  Masked rather than compacted, so nothing waits on the device."""
+    gemv_r, axpy_r = rows_gemv or gemv_rows, rows_axpy or axpy_rows
+    if rows is None:
+        rows = torch.arange(first.rows, device=x.device)
+    rows = rows.long()
+    if rows.numel() == 0:
+        return torch.zeros(down_t.cols, device=x.device)
+    pre = gemv_r(first, x, rows)
+    if first_bias is not None:
+        pre = pre + first_bias[rows]
+    a = activation(act, pre)
+    h = a
+    if second is not None:
+        u = gemv_r(second, x, rows)
+        if second_bias is not None:
+            u = u + second_bias[rows]
+        h = a * (F.relu(u) if relu_up else u)
+    return axpy_r(down_t, h * (a.abs() > threshold), rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

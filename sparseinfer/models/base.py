@@ -48,40 +48,49 @@ class CausalLM(nn.Module):
         T = tokens.shape[1]
         cache.check_room(T)
         positions = torch.arange(cache.length, cache.length + T, device=self.device)
-        if tokens.numel() == 1 and self.pos_embed is None:
-            y = self._decode_one(tokens, positions, cache)
-            if y is not None:
-                return y
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)[None]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cache[i])
+        if tokens.numel() == 1:
+            x = self.decode_layers(x, positions, cache)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, cache[i])
         if last_only:
             x = x[:, -1:]
         return self.head(self.norm(x))
 
-    def _decode_one(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-        """One token of one sequence through blocks that all have C decode steps (`decode_args`,
-        llama.py): one C call per half-block on a single hidden-state buffer, no Python layer
-        in between (per layer that saves ~0.15 ms of interpreter work, whose data the weight
-        streaming keeps evicting from the caches).  None (nothing done) where a block or its
-        cache does not qualify; then `forward` runs the layers."""
-        steps = []
-        for layer, kv in zip(self.layers, cache.layers):
-            f = getattr(layer, "decode_args", None)
-            s = f() if f is not None else None
-            if s is None or not kv.on_cpu_f32 or (kv.k is not None and kv.k.shape[0] != 1):
-                return None
-            steps.append(s)
-        x = self.embed(tokens).reshape(-1).float().contiguous()
-        if x.device.type != "cpu" or any(a[0][0] != x.numel() for a, _ in steps):
-            return None
-        for layer, kv, (a, m) in zip(self.layers, cache.layers, steps):
-            layer.attn.decode_into(x, x, a, positions, kv)
-            if m is not None:
-                layer.mlp.decode_into(x, x, m)
-            else:
-                x += layer.mlp(layer.ffn_norm(x.view(1, 1, -1))).view(-1)
-        return self.head(self.norm(x.view(1, 1, -1)))
+    def decode_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token of one sequence, x (1, 1, n), through every layer: a layer whose block has
+        C decode steps (`Block.steps`: its plan, built once) runs them on one float32 buffer in
+        place, any other runs its torch modules (the reference; accelerators, other norms)."""
+        buf = None
+        for i, layer in enumerate(self.layers):
+            kv = cache.layers[i]
+            steps = layer.steps() if hasattr(layer, "steps") and kv.on_cpu_f32 else None
+            if steps is None:
+                if buf is not None:
+                    x, buf = buf.view(1, 1, -1), None
+                x = layer(x.to(self.layer_device(i)), positions, kv)
+                continue
+            if buf is None:
+                buf = x.reshape(-1).to("cpu", torch.float32).clone()
+            attn, ffn = steps
+            if buf.numel() != attn.n or (ffn is not None and ffn.n != attn.n):
+                raise ValueError(f"layer {i} is {attn.n} wide, its input {buf.numel()}: the model file is inconsistent")
+            layer.attn.run_step(attn, buf, positions, kv)
+            if ffn is not None:
+                ffn.run(buf, buf)
+            else:  # an FFN without a C step (e.g. split across devices): its module
+                buf += layer.mlp(layer.ffn_norm(buf.view(1, 1, -1))).view(-1).to(buf.device)
+        return x if buf is None else buf.view(1, 1, -1)
 
+    def layer_device(self, i: int) -> torch.device:
+        """Where layer i's residual stream lives (an accelerator-placed model overrides this)."""
+        return self.device
+
+    def drop_steps(self) -> None:
+        """Forget every module's C decode step; the next decode builds them from the current
+        weights (after moving or replacing modules)."""
+        for m in self.modules():
+            m.__dict__.pop("_step", None)

@@ -5,61 +5,17 @@ Everything computes in float32 on (batch, time, features) tensors.  Weights stay
 """
 from __future__ import annotations
 
-import functools
 import math
-import operator
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import QWeight
+from ..errors import UnsupportedError
+from ..kernels import cpu, decode_plan, matmul
+from ..kernels.reference import activation_fn, canonical_activation
 from ..kv_cache import LayerKV
-
-
-# Rows of X (tokens) from which a CPU product runs as torch's float32 GEMM on weights
-# dequantized slice by slice instead of our integer kernels, per activation mode (measured on
-# 8960x1536, 2 threads, AVX2).  "precise" (two int8 terms per block): q4 is 1.1x faster by
-# GEMM at 128 tokens and 1.3-1.7x at 512; q8 1.1x at 64 and 2.2-2.6x at 512.  "int8" (one
-# term, llama.cpp's rounding): the q4 kernels stay ahead at every size (131 vs ~80 GOPS at
-# 128 tokens, 116 vs ~100 at 512; Qwen2.5-Coder-1.5B prompt 34 -> 44 tok/s at 512 tokens,
-# 25 -> 48 at 128, A/B in one process), q8 up to ~256 tokens.  q6 (same shape, 2 threads,
-# AVX-512 Xeon): int8 kernels 66 vs 64 ms by GEMM at 512 tokens, 33 vs 42 at 256; precise
-# 38 vs 32 ms at 128 tokens, 16 vs 23 at 64.
-# On a tile level (AMX, int8 mode) the integer kernels beat the GEMM at every size: 8960x1536
-# and 1536x8960 at 512 tokens, 2 threads, Xeon: q4 ~770 GOPS, q8 ~850-890, q6 ~570-590, where
-# the VNNI tiles give 200-350 and the dequantize + float32 GEMM path less than either.
-_F32_GEMM_MIN_ROWS = {
-    "int8": {"q4": 1 << 62, "q8": 256, "q6": 512, "f16": 64, "bf16": 64, "f32": 64},
-    "precise": {"q4": 128, "q8": 64, "q6": 128, "f16": 64, "bf16": 64, "f32": 64},
-    "tiles": {"q4": 1 << 62, "q8": 1 << 62, "q6": 1 << 62, "f16": 64, "bf16": 64, "f32": 64},
-}
-
-
-def _gemm_min_rows(k) -> dict:
-    mode = k.activation_mode()
-    return _F32_GEMM_MIN_ROWS["tiles" if mode == "int8" and k.simd_level() in k.TILE_LEVELS else mode]
-
-
-def _matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
-    """(M, K) float32 -> (M, N) through the fastest kernel for the weight's format and device."""
-    if x2.device.type == "cpu":
-        k = _cpu_kernels()
-        if x2.shape[0] > 1 and k.available() \
-                and x2.shape[0] >= _gemm_min_rows(k).get(w.fmt, 1 << 62):
-            return k.matmul_f32(w, x2)
-        return k.matmul(w, x2)
-    from ..hybrid.device_ops import matmul as dev_matmul
-
-    return dev_matmul(w, x2)
-
-
-@functools.cache
-def _cpu_kernels():
-    from ..kernels import cpu  # falls back to the reference kernels if the C core is not built
-
-    return cpu
+from ..quant import QWeight
 
 
 class Linear(nn.Module):
@@ -80,7 +36,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = _matmul(self.weight, x.reshape(-1, x.shape[-1]).float().contiguous())
+        y = matmul(self.weight, x.reshape(-1, x.shape[-1]).float().contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, -1)
@@ -105,11 +61,10 @@ def fuse_weights(*ws: QWeight) -> tuple[QWeight, list[QWeight]] | None:
             w.fmt != w0.fmt or w.cols != w0.cols or w.qs.device != w0.qs.device
             or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None) for w in ws):
         return None
-    k = _cpu_kernels()
-    if k.interleave_pays(w0):
+    if cpu.interleave_pays(w0):
         # each row's scales next to its values (`interleave_rows`): one stream per row for the
         # dense products, and no neighbours' scales read by the row-sparse ones
-        fused = k.interleave_rows(*ws)
+        fused = cpu.interleave_rows(*ws)
     else:
         cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
         fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))
@@ -149,7 +104,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cpu:  # the C norm; it falls back to F.rms_norm for what it does not take
-            return _cpu_kernels().rms_norm(x, self.weight, self.eps)
+            return cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -164,28 +119,12 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
 def activation(name: str):
-    if name not in ACTIVATIONS:
-        from ..errors import UnsupportedError
-
-        raise UnsupportedError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)}, drelu)")
-    return ACTIVATIONS[name]
-
-
-def kernel_act_name(name: str) -> str:
-    """Our activation name as the CPU kernels spell it."""
-    return {"swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "drelu": "relu"}.get(name, name)
+    """The torch function of a config's activation name (`kernels.reference`'s table)."""
+    try:
+        return activation_fn(name)
+    except ValueError as e:
+        raise UnsupportedError(str(e)) from None
 
 
 class MLP(nn.Module):
@@ -229,78 +168,24 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.hidden(x))
 
-    def decode_args(self, norm: nn.Module) -> tuple | None:
-        """The arguments after (x, out) of the C step `_cpu.decode_mlp`, which computes
-        ``x + self(norm(x))`` for one token in one call (the products and element-wise work of
-        `forward`, without its ~15 torch operations); None where that step does not apply (no
-        gate, biases, another norm, weights off the CPU, no compiled kernels).  Built once and
-        reused while the weights, biases and norm are the same objects."""
+    def step(self, norm: nn.Module) -> decode_plan.FFNStep | None:
+        """The C decode step of ``x + self(norm(x))`` for one token (`kernels.decode_plan`),
+        built on first use; None where it does not apply (a norm other than RMSNorm, weights
+        off the CPU, no compiled kernels): the block then runs this module."""
+        parts = [x for x in (self.gate, self.up, self.down) if x is not None]
+        key = (norm, norm.weight, *(x.weight for x in parts), *(x.bias for x in parts))
+        return decode_plan.cached_step(self, key, lambda: self._build_step(norm))
+
+    def _build_step(self, norm: nn.Module) -> decode_plan.FFNStep | None:
         g, u, d = self.gate, self.up, self.down
-        if g is None:
+        if type(norm) is not RMSNorm or not decode_plan.available() or not decode_plan.on_cpu(
+                norm.weight, *(x.weight for x in (g, u, d) if x is not None), *(x.bias for x in (g, u, d) if x is not None)):
             return None
-        key = (norm, norm.weight, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
-        return _reuse(self, key, lambda: self._build_decode_args(norm))
-
-    def _build_decode_args(self, norm: nn.Module) -> tuple | None:
-        k = _cpu_kernels()
-        if type(norm) is not RMSNorm or self.act_name not in _DECODE_ACTS or not k.available() or not norm.weight.is_cpu:
-            return None
-        if self._intact():  # (the fused weight is on the CPU: `fuse_linears` makes no other)
-            g, up = self._gate_up.weight, None
-            if self._gate_up.bias is not None:
-                return None
-        else:
-            g, up = self.gate.weight, self.up.weight
-            if self.gate.bias is not None or self.up.bias is not None or not (g.qs.is_cpu and up.qs.is_cpu):
-                return None
-        down = self.down.weight
-        if self.down.bias is not None or not down.qs.is_cpu:
-            return None
-        return (g.cols, norm.weight.data_ptr(), norm.eps, k._ACT[_DECODE_ACTS[self.act_name]], int(self.act_name == "drelu"),
-                *k._desc(g), *(k._NO_GATE if up is None else k._desc(up)), down.cols, *k._desc(down))
-
-    def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
-        """``x + self(norm(x))`` for one token (x (1, 1, n) float32 on the CPU) through the C step
-        (`decode_args`), or None where it does not apply."""
-        return ffn_decode_step(self, x, norm, self.down.out_features)
-
-    @staticmethod
-    def decode_into(x: torch.Tensor, y: torch.Tensor, args: tuple) -> None:
-        """Run the C step with `decode_args`' `args` from x into y (may be x)."""
-        _cpu_kernels()._cpu.decode_mlp(x.data_ptr(), y.data_ptr(), *args)
-
-
-def ffn_decode_step(ffn: nn.Module, x: torch.Tensor, norm: nn.Module, width: int) -> torch.Tensor | None:
-    """``x + ffn(norm(x))`` for one token (x (1, 1, width) float32 on the CPU) through the FFN's
-    C step (its `decode_args` / `decode_into`: `MLP`, `SparseFFN`), or None where it does not apply."""
-    if not x.is_cpu or x.dtype is not torch.float32 or x.numel() != width:
-        return None
-    args = ffn.decode_args(norm)
-    if args is None:
-        return None
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    ffn.decode_into(x, y, args)
-    return y
-
-
-def _reuse(mod: nn.Module, key: tuple, build):
-    """`build()`, kept for `mod` and reused while the objects in `key` are the same ones: the C
-    decode steps' arguments would otherwise be rebuilt per layer and token (~35 us each).
-    Kept beside the module, not in it, so a copy of the module (whose tensors live elsewhere)
-    does not inherit the pointers."""
-    c = _DECODE_ARGS.get(mod)
-    if c is None or not all(map(operator.is_, c[0], key)):  # (keys of one module have one length)
-        c = _DECODE_ARGS[mod] = (key, build())
-    return c[1]
-
-
-_DECODE_ARGS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-# Activations of the fused decode step (`MLP.decode_step`), as the kernels spell them.
-_DECODE_ACTS = {"silu": "silu", "swish": "silu", "relu": "relu", "drelu": "relu", "gelu": "gelu",
-                "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+        return decode_plan.dense_ffn_step(
+            act=canonical_activation(self.act_name), relu_up=self.act_name == "drelu",
+            gate=None if g is None else g.weight, up=u.weight, down=d.weight,
+            gate_bias=None if g is None else g.bias, up_bias=u.bias, down_bias=d.bias,
+            gate_up_fused=self._intact(), norm_w=norm.weight, eps=norm.eps)
 
 
 class Rotary(nn.Module):
@@ -402,64 +287,34 @@ class Attention(nn.Module):
         out = attend(q, k, v, start)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
 
-    def decode_args(self, norm: nn.Module) -> tuple | None:
-        """(pre, post): the arguments of the C step `_cpu.decode_attn` around its per-token ones,
-        ``decode_attn(x, out, *pre, cos, sin, k_cache, v_cache, kstride, vstride, pos, *post)``,
-        which computes ``x + self(norm(x), positions, cache)`` for one token in one call (norm,
-        q/k/v products and biases, rotary, cache write, attention, o product, residual); None
-        where that step does not apply (another norm, weights off the CPU, no compiled kernels).
-        Built once and reused while the weights, biases, norm and rotary are the same objects."""
-        q, k, v, o = self.q, self.k, self.v, self.o
-        key = (norm, norm.weight, q.weight, k.weight, v.weight, o.weight, q.bias, k.bias, v.bias, o.bias, self.rotary)
-        return _reuse(self, key, lambda: self._build_decode_args(norm))
+    def step(self, norm: nn.Module) -> decode_plan.AttnStep | None:
+        """The C decode step of ``x + self(norm(x), positions, cache)`` for one token
+        (`kernels.decode_plan`), built on first use; None where it does not apply (a norm other
+        than RMSNorm, weights off the CPU, no compiled kernels): the block then runs this module."""
+        lins = (self.q, self.k, self.v, self.o)
+        key = (norm, norm.weight, self.rotary, *lins, *(x.weight for x in lins), *(x.bias for x in lins))
+        return decode_plan.cached_step(self, key, lambda: self._build_step(norm))
 
-    def _build_decode_args(self, norm: nn.Module) -> tuple | None:
-        kern = _cpu_kernels()
-        if type(norm) is not RMSNorm or not kern.available() or not norm.weight.is_cpu:
+    def _build_step(self, norm: nn.Module) -> decode_plan.AttnStep | None:
+        lins = (self.q, self.k, self.v, self.o)
+        if type(norm) is not RMSNorm or not decode_plan.available() or not all(isinstance(x, Linear) for x in lins) \
+                or not decode_plan.on_cpu(norm.weight, *(x.weight for x in lins), *(x.bias for x in lins)):
             return None
-        if self._intact():  # (the fused weight is on the CPU: `fuse_linears` makes no other)
-            ws, bs = (self._qkv.weight, None, None), (self._qkv.bias, None, None)
-        else:
-            ws = (self.q.weight, self.k.weight, self.v.weight)
-            bs = (self.q.bias, self.k.bias, self.v.bias)
-        o = self.o.weight
-        if not all(w.qs.is_cpu for w in ws if w is not None) or not o.qs.is_cpu or not all(
-                b is None or (b.is_cpu and b.dtype is torch.float32 and b.is_contiguous()) for b in (*bs, self.o.bias)):
-            return None
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        descs = tuple(d for w in ws for d in (kern._NO_GATE if w is None else kern._desc(w)))
-        n_rot = 0 if self.rotary is None else self.rotary.n_rot
-        pre = (ws[0].cols, norm.weight.data_ptr(), norm.eps, *descs, *(ptr(b) for b in bs),
-               self.n_heads, self.n_kv_heads, self.d_head, n_rot)
-        return pre, (*kern._desc(o), ptr(self.o.bias), self.d_head ** -0.5)
+        fused = self._intact()
+        return decode_plan.AttnStep(
+            norm_w=norm.weight, eps=norm.eps, q=self._qkv.weight if fused else self.q.weight,
+            k=None if fused else self.k.weight, v=None if fused else self.v.weight, o=self.o.weight,
+            bq=self._qkv.bias if fused else self.q.bias, bk=None if fused else self.k.bias,
+            bv=None if fused else self.v.bias, bo=self.o.bias, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            d_head=self.d_head, n_rot=0 if self.rotary is None else self.rotary.n_rot)
 
-    def decode_step(self, x: torch.Tensor, norm: nn.Module, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor | None:
-        """``x + self(norm(x), positions, cache)`` for one token (x (1, 1, n) float32 on the CPU)
-        through the C step (`decode_args`), or None where it does not apply (also: a cache
-        that is not float32 on the CPU)."""
-        if not x.is_cpu or x.dtype is not torch.float32 or x.numel() != x.shape[-1] or not cache.on_cpu_f32 \
-                or (cache.k is not None and cache.k.shape[0] != 1):
-            return None
-        args = self.decode_args(norm)
-        if args is None or args[0][0] != x.shape[-1]:
-            return None
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        self.decode_into(x, y, args, positions, cache)
-        return y
-
-    def decode_into(self, x: torch.Tensor, y: torch.Tensor, args: tuple, positions: torch.Tensor, cache: LayerKV) -> None:
-        """Run the C step with `decode_args`' `args` from x into y (may be x), appending to `cache`."""
-        pre, post = args
-        H, Hk, D, n_rot = pre[-4:]
-        cos = sin = 0
-        if n_rot:  # (shared by all layers of this forward, see Rotary._cos_sin)
-            c, s = self.rotary._cos_sin(positions, x.device)
-            cos, sin = c.data_ptr(), s.data_ptr()
-        kc, vc, slot = cache.slot(Hk, D)
-        stride = kc.shape[2] * D
-        _cpu_kernels()._cpu.decode_attn(x.data_ptr(), y.data_ptr(), *pre, cos, sin, kc.data_ptr(), vc.data_ptr(),
-                                        stride, stride, slot, *post)
+    def run_step(self, step: decode_plan.AttnStep, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> None:
+        """Run `step` on the flat one-token state x (n,) in place, appending to `cache`."""
+        cos = sin = None
+        if step.n_rot:  # (shared by all layers of this forward, see Rotary._cos_sin)
+            cos, sin = self.rotary._cos_sin(positions, x.device)
+        kc, vc, slot = cache.slot(step.n_kv_heads, step.d_head)
+        step.run(x, x, cos, sin, kc, vc, slot)
         cache.advance()
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
@@ -487,7 +342,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
         # One query per head, no mask: our C kernel on the kernel threads, reading each KV head
         # once for its query heads (0.08 vs 0.14 ms per call at 600 cached tokens, 12/2 heads
         # of 128, 2 threads; torch's SDPA runs on its one thread here).
-        return _cpu_kernels().attend1(q, k, v)
+        return cpu.attend1(q, k, v)
     if T == 1 and H != Hk:
         # One query per head and no mask: the g = H/Hk query heads that share a KV head (head h
         # uses KV head h // g, as repeat_kv does) become g query rows of that KV head, so K/V

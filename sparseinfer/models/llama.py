@@ -15,23 +15,18 @@ class Block(nn.Module):
         self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
-        # one decode token on the CPU: one C call per half-block where the layers allow it
-        h = self.attn.decode_step(x, self.attn_norm, positions, kv) if x.shape[1] == 1 else None
-        if h is None:
-            h = x + self.attn(self.attn_norm(x), positions, kv)
-        step = getattr(self.mlp, "decode_step", None) if x.shape[1] == 1 else None  # MLP, SparseFFN
-        y = step(h, self.ffn_norm) if step is not None else None
-        return y if y is not None else h + self.mlp(self.ffn_norm(h))
+        h = x + self.attn(self.attn_norm(x), positions, kv)
+        return h + self.mlp(self.ffn_norm(h))
 
-    def decode_args(self):
-        """(attention, MLP) arguments of the C decode steps for `CausalLM`'s one-token loop; MLP
-        None: the MLP runs in Python (e.g. a HybridFFN); None: the block has no C step.  The
-        MLP is an `MLP` or a `SparseFFN` (each has `decode_args` and `decode_into`)."""
-        a = self.attn.decode_args(self.attn_norm)
+    def steps(self):
+        """(attention step, FFN step) of the C decode plan for one token (`kernels.decode_plan`);
+        the FFN step is None where the FFN runs as a module (e.g. split across devices); None
+        where the attention has no C step (the block then runs as modules)."""
+        a = self.attn.step(self.attn_norm)
         if a is None:
             return None
-        m = getattr(self.mlp, "decode_args", None)
-        return a, m(self.ffn_norm) if m is not None else None
+        step = getattr(self.mlp, "step", None)  # MLP, SparseFFN
+        return a, None if step is None else step(self.ffn_norm)
 
 
 def linear(src: WeightSource, prefix: str) -> Linear:

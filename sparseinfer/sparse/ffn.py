@@ -25,8 +25,11 @@ Modes (`mode`):
   on the dense hidden activations: mathematically what per-token sparse decode computes.
 - ``threshold``: dense with the threshold mask only (the quality reference of the pack).
 - ``oracle``: decode on exactly the active rows (computed densely); for tests.
-One token in ``predict`` mode runs as one C call (`decode_args`, csrc/decode.c: predictor, row
-choice, kernels, counters); `decode_py` drives the same kernels from Python and is its reference.
+One token in ``predict`` mode runs as one C call on the layer's decode plan (`step`,
+`kernels.decode_plan`, csrc/decode.c: predictor, row choice, kernels, counters);
+`reference_token` computes the same with `kernels.reference.sparse_ffn_token`, the slow,
+obvious version of that algorithm, and runs where the C step does not (no compiled kernels,
+weights on an accelerator).
 Layers that read rows (a predictor or a forced density) and expect at most half their neurons
 active keep each neuron's first, up and down_t rows in one contiguous *record*
 (`make_records`, `kernels.cpu.neuron_records`): the C step then reads one block per active
@@ -40,15 +43,17 @@ see `_forced_rows`).
 from __future__ import annotations
 
 import operator
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.layers import MLP, Linear, RMSNorm, _reuse, ffn_decode_step, fuse_weights, kernel_act_name
+from ..kernels import cpu, decode_plan
+from ..kernels import reference as ref
+from ..kernels.decode_plan import FFNStep
+from ..kernels.reference import canonical_activation
+from ..models.layers import MLP, Linear, RMSNorm, fuse_weights
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 
 MODES = ("predict", "faithful", "threshold", "oracle")
@@ -82,7 +87,6 @@ def transpose_neuron_major(down: QWeight, order: torch.Tensor) -> QWeight:
     `order` (rows are quantized independently, so this is the whole-matrix
     `from_float(down.dequantize().T[order])`, bit for bit; Qwen2.5-1.5B's 8960x1536 down:
     0.48 -> 0.06-0.08 s)."""
-    cpu = _kernels()
     full = cpu.dequantize_rows(down) if cpu.available() else down.dequantize()
     ft = full.T
     fmt = down.fmt if down.fmt in FLOAT_FORMATS else "q8"
@@ -92,12 +96,6 @@ def transpose_neuron_major(down: QWeight, order: torch.Tensor) -> QWeight:
     pick = lambda ts: torch.cat(ts).index_select(0, order)  # noqa: E731
     return QWeight(fmt, len(order), down.rows, pick([p.qs for p in parts]),
                    None if parts[0].d is None else pick([p.d for p in parts]), None)
-
-
-def _kernels():
-    from ..kernels import cpu
-
-    return cpu
 
 
 _ROW_BANK = 64  # random row sets per layer for forced density without a predictor
@@ -115,6 +113,10 @@ GEMV_ROWS_COST = 1.4
 # fraction is at most this: their up and down then always run on the kept rows.
 RECORDS_MAX_DENSITY = 0.5
 
+# Attributes the C step is built from: setting one drops it (`SparseFFN.__setattr__`).
+_STEP_INPUTS = frozenset({"_threshold", "_mode", "density", "predictor", "dense_crossover", "dense_gate_up", "records",
+                          "observer", "gate", "up", "_down_t", "down", "gate_bias", "up_bias", "_records", "_gate_up"})
+
 
 class SparseFFN(nn.Module):
     """Activation-sparse FFN with the `MLP` call signature (see the module docstring)."""
@@ -126,7 +128,7 @@ class SparseFFN(nn.Module):
         n = mlp.n_neurons
         self.n_neurons, self.d_model = n, mlp.down.out_features
         self.act_name, self.act = mlp.act_name, mlp.act
-        self.kernel_act = kernel_act_name(mlp.act_name)
+        self.kernel_act = canonical_activation(mlp.act_name)
         self.threshold = threshold
         self.order = torch.arange(n) if order is None else order.long()
         self.inverse = torch.argsort(self.order)
@@ -153,15 +155,9 @@ class SparseFFN(nn.Module):
         self.density = density
         self.mode = mode
         self.observer = None  # calibration hook: observer(ffn, x2, a, h, mask)
-        self._stats = DecodeStats()
-        # counters of the C decode step (`decode_into`), folded into `stats` when read (`_count`):
-        # tokens, fused-kernel rows, first-projection rows, gate+up passes, dense ups, up rows,
-        # dense downs, down_t rows, neurons kept, predictions; then the predictor's seconds as a
-        # float64 in the last slot (numpy: no inference-mode tensor)
-        self._ccount = np.zeros(11, dtype=np.int64)
+        self._stats = DecodeStats()  # counters of C steps dropped since the last reset
         self._row_bank: list[torch.Tensor] | None = None  # forced density without a predictor
         self._row_next = [0]  # next set of the bank (a list: no Module.__setattr__ per token)
-        self._all_rows = torch.arange(n, dtype=torch.int32)
         # above this kept fraction up/down run dense on the masked h; None: where the kept rows'
         # bytes reach the dense products' (`crossover`)
         self.dense_crossover: float | None = None
@@ -191,7 +187,6 @@ class SparseFFN(nn.Module):
     @threshold.setter
     def threshold(self, t: float) -> None:
         self._threshold = float(t)
-        self._fused = None  # re-decided on the next decode
 
     @property
     def mode(self) -> str:
@@ -205,37 +200,36 @@ class SparseFFN(nn.Module):
 
     @property
     def stats(self) -> DecodeStats:
-        """Counters of the single-token path (the C step's included)."""
-        c = self._ccount
-        if c[0]:
-            self._fold(c)
-        return self._stats
+        """Counters of the single-token path (the C step's, translated into rows and bytes)."""
+        st = DecodeStats(**vars(self._stats))
+        step = self.__dict__.get("_step")
+        if step is not None and isinstance(step[1], FFNStep):
+            self._add_counters(st, step[1].stats)
+        return st
 
-    def _fold(self, c: np.ndarray) -> None:
-        tokens, fr, first, gu, upd, upr, dd, dr, kept, pc = c[:10].tolist()
-        seconds = float(c[10:].view(np.float64)[0])
-        c[:] = 0
-        self._stats.tokens += tokens
-        self._count(fused=fr, first=first, gate_up=gu, up_dense=upd, up_rows=upr, down_dense=dd, down_rows=dr,
-                    kept=kept)
-        if self.predictor is not None:
-            self._stats.bytes += pc * self.predictor.nbytes
-        self._stats.predictor_seconds += seconds
+    def reset_stats(self) -> None:
+        self._stats.reset()
+        step = self.__dict__.get("_step")
+        if step is not None and isinstance(step[1], FFNStep):
+            step[1].reset_stats()
 
-    def _count(self, fused: int = 0, first: int = 0, gate_up: int = 0, up_dense: int = 0, up_rows: int = 0,
-               down_dense: int = 0, down_rows: int = 0, kept: int = 0) -> None:
-        """Add to the counters: rows through the fused kernel, first-projection rows, dense
-        gate+up passes, dense ups, up rows, dense downs, down_t rows, neurons kept."""
+    def _add_counters(self, st: DecodeStats, c) -> None:
+        """Add the C step's counters `c` (`cstructs.FFNStats`) to `st` as rows and bytes read."""
         self.down_t  # noqa: B018 (sets the byte counts)
-        st, n, rb = self._stats, self.n_neurons, self._rb
-        st.rows += ((3 if self.gate is not None else 2) * fused + first + 2 * n * gate_up + n * up_dense + up_rows
-                    + n * down_dense + down_rows)
-        st.kept += fused + kept
-        st.bytes += fused * rb[1] + first * rb[0] + down_rows * rb[2] + down_dense * self.down.weight.nbytes
+        n, rb = self.n_neurons, self._rb
+        st.tokens += c.tokens
+        st.rows += ((3 if self.gate is not None else 2) * c.fused_rows + c.first_rows + 2 * n * c.gate_up_passes
+                    + n * c.dense_ups + c.up_rows + n * c.dense_downs + c.down_rows)
+        st.kept += c.fused_rows + c.kept
+        st.bytes += (c.fused_rows * rb[1] + c.first_rows * rb[0] + c.down_rows * rb[2]
+                     + c.dense_downs * self.down.weight.nbytes)
         if self.gate is not None:
-            st.bytes += up_dense * self.up.nbytes + up_rows * self.up.row_bytes()
-            if gate_up:
-                st.bytes += gate_up * self._gate_up.nbytes
+            st.bytes += c.dense_ups * self.up.nbytes + c.up_rows * self.up.row_bytes()
+            if c.gate_up_passes:
+                st.bytes += c.gate_up_passes * (self.gate.nbytes + self.up.nbytes)
+        if self.predictor is not None:
+            st.bytes += c.predictions * self.predictor.nbytes
+        st.predictor_seconds += c.predictor_seconds
 
     @property
     def down_t(self) -> QWeight:
@@ -243,7 +237,7 @@ class SparseFFN(nn.Module):
         if self._down_t is None:
             dt = transpose_neuron_major(self.down.weight, self.order)
             # each neuron's scales next to its values: axpy_rows reads one piece per active row
-            self._down_t = _kernels().interleave_rows(dt) if _kernels().interleave_pays(dt) else dt
+            self._down_t = cpu.interleave_rows(dt) if cpu.interleave_pays(dt) else dt
             g = 0 if self.gate is None else self.gate.row_bytes()
             # bytes per row read by decode: first projection, all three (fused kernel), down_t
             self._rb = (self.first.row_bytes(), self.up.row_bytes() + self.down_t.row_bytes() + g,
@@ -345,7 +339,7 @@ class SparseFFN(nn.Module):
         if self._one_pass_hidden(x2, per_token_predictor):
             # activation, threshold mask, gating and un-permutation in one C pass (prefill)
             g, u = self._pre(x2)
-            h = _kernels().hidden_rows(g, u, self.kernel_act, self.threshold,
+            h = cpu.hidden_rows(g, u, self.kernel_act, self.threshold,
                                        self.order if self.permuted else None, relu_up=self.act_name == "drelu")
             return self.down(h)
         a, h = self.hidden(x2)
@@ -362,7 +356,7 @@ class SparseFFN(nn.Module):
         calibration observer) on the CPU kernels: `cpu.hidden_rows` computes h in one pass."""
         return (self.observer is None and self.density is None and x2.is_cpu
                 and not (per_token_predictor and self.predictor is not None)
-                and self.kernel_act in _kernels()._ACT and _kernels().available())
+                and self.kernel_act in cpu._ACT and cpu.available())
 
     def _predicted_mask(self, x2: torch.Tensor) -> torch.Tensor:
         """Forced density: the top-D rows by predictor score, per token."""
@@ -383,133 +377,60 @@ class SparseFFN(nn.Module):
 
     # ------------------------------------------------------------------ decode (one token)
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """x (d,) -> y (d,): predictor -> rows -> sparse kernels (threshold applied in-set), in
-        one C call where it applies (`decode_args`), else `decode_py`."""
-        args = self.decode_args(None)
-        if args is not None and x.dtype is torch.float32 and x.is_contiguous():
-            y = torch.empty(self.d_model)
-            self.decode_into(x, y, args)
-            return y
-        return self.decode_py(x)
-
-    def decode_py(self, x: torch.Tensor) -> torch.Tensor:
-        """`decode` through the Python-driven kernels: the reference of the C step."""
-        rows = self._rows(x)
-        y = self._sparse_rows(x, rows)
-        if self.down.bias is not None:
-            y = y + self.down.bias
+        """x (d,) -> y (d,): predictor -> candidate rows -> sparse kernels (threshold applied
+        within the candidates), through the C step where it applies (`step`), else the
+        reference (`reference_token`)."""
+        step = self.step(None)
+        if step is None or not x.is_cpu:
+            return self.reference_token(x)
+        y = torch.empty(self.d_model)
+        step.run(x.float().contiguous(), y, self._oracle_rows(x) if self._mode == "oracle" else None)
         return y
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Candidate active rows (hotness-order ids, int32; ascending except forced density); None: all of them
-        (no predictor: the first projection runs dense and the threshold picks the rows)."""
+    def reference_token(self, x: torch.Tensor) -> torch.Tensor:
+        """`decode` by the slow, obvious one-token algorithm (`reference.sparse_ffn_token`)."""
         if self._mode == "oracle":
-            a, h = self.hidden(x[None])
-            return self.active_mask(a, h)[0].nonzero().view(-1).to(torch.int32)
-        if self.density is not None:
-            return self._forced_rows(x)
-        if self.predictor is None:
-            return None
-        t0 = time.perf_counter()
-        rows = self.predictor.active_rows(x)
-        self.stats.predictor_seconds += time.perf_counter() - t0
-        self.stats.bytes += self.predictor.nbytes
-        return rows
+            rows = self._oracle_rows(x)
+        elif self.density is not None and self.predictor is None:
+            rows = self._forced_rows(x)
+        elif self.predictor is not None:
+            p = self.predictor
+            rows = ref.predict_rows(x.float(), p.w1, p.b1, p.w2t, p.cut, self._k() if self.density is not None else 0)
+        else:
+            rows = None
+        y = ref.sparse_ffn_token(x.float(), self.first, self.up if self.gate is not None else None, self.down_t,
+                                 self.kernel_act, -1.0 if self.density is not None else self.threshold, rows,
+                                 self.first_bias, self.up_bias if self.gate is not None else None,
+                                 relu_up=self.act_name == "drelu")
+        return y if self.down.bias is None else y + self.down.bias
+
+    def _oracle_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Exactly the active rows of this token, computed densely (tests)."""
+        a, h = self.hidden(x.float()[None])
+        return self.active_mask(a, h)[0].nonzero().view(-1).to(torch.int32)
 
     def _k(self) -> int:
         return max(1, min(self.n_neurons, round(self.density * self.n_neurons)))
 
     def _forced_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Exactly round(D * n) rows: the predictor's top scores, or (no pack) a random set
-        per token (from a bank of `_ROW_BANK` sets drawn once per layer), a stand-in for the
-        scattered rows of a ReLU model at that density."""
+        """Forced density without a predictor: exactly round(D * n) random rows per token (from
+        a bank of `_ROW_BANK` sets drawn once per layer), a stand-in for the scattered rows of
+        a ReLU model at that density; drawn ahead of time so the draw is not counted as the
+        model's work."""
         k = self._k()
-        if self.predictor is None:
-            # drawn ahead of time: a fresh randperm + sort per layer and token costs ~0.1 ms,
-            # about 10% of a 1.5B model's decode at density 0.1, which is not the model's work
-            if self._row_bank is None or self._row_bank[0].numel() != k:
-                g = torch.Generator().manual_seed(self.n_neurons * 31 + k)
-                self._row_bank = [torch.randperm(self.n_neurons, generator=g)[:k].sort().values.to(torch.int32)
-                                  for _ in range(_ROW_BANK)]
-                self._row_next = [0]
-            i = self._row_next[0]
-            self._row_next[0] = (i + 1) % _ROW_BANK
-            return self._row_bank[i]
-        t0 = time.perf_counter()
-        rows = self.predictor.top_rows(x, k)
-        self.stats.predictor_seconds += time.perf_counter() - t0
-        self.stats.bytes += self.predictor.nbytes
-        return rows
-
-    def _sparse_rows(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        cpu = _kernels()
-        self.stats.tokens += 1
-        if rows is None:
-            return self._staged(cpu, x, None, self.threshold)
-        if rows.numel() == 0:
-            return torch.zeros(self.d_model)
-        forced = self.density is not None
-        if self._fused is None:
-            self._fused = self._fusable
-        if not self._records_intact and (self._fused or (forced and self._fusable_forced)):
-            self._count(fused=rows.numel())
-            return cpu.sparse_ffn(x, self.gate, self.up, self.down_t, rows, self.kernel_act)
-        return self._staged(cpu, x, rows, -1.0 if forced else self.threshold)
+        if self._row_bank is None or self._row_bank[0].numel() != k:
+            g = torch.Generator().manual_seed(self.n_neurons * 31 + k)
+            self._row_bank = [torch.randperm(self.n_neurons, generator=g)[:k].sort().values.to(torch.int32)
+                              for _ in range(_ROW_BANK)]
+            self._row_next = [0]
+        i = self._row_next[0]
+        self._row_next[0] = (i + 1) % _ROW_BANK
+        return self._row_bank[i]
 
     @property
     def _fusable_forced(self) -> bool:
         return self.act_name != "drelu" and self.gate_bias is None and self.up_bias is None
 
-    def _staged(self, cpu, x: torch.Tensor, rows: torch.Tensor | None, cut: float) -> torch.Tensor:
-        """First projection on the candidate rows (rows None: all, dense; with up in one pass
-        when `_dense_gate_up`), threshold cut, then up on the kept rows (dense above
-        `up_crossover`) and down on them (dense above `crossover`); with neuron records, up
-        and down on the kept rows always (the C step's one pass over the records)."""
-        n = self.n_neurons
-        rec = rows is not None and self._records_intact
-        u_all = None  # up of every neuron, once a dense pass has computed it
-        if rows is None:
-            if self._dense_gate_up:
-                pre, u_all = cpu.gemv(self._gate_up, x).split(n)
-                self._count(gate_up=1)
-            else:
-                pre = cpu.gemv(self.first, x)
-                self._count(first=n)
-            if self.first_bias is not None:
-                pre = pre + self.first_bias
-            rows = self._all_rows
-        else:
-            pre = cpu.gemv_rows(self.first, x, rows)
-            self._count(first=rows.numel())
-            if self.first_bias is not None:
-                pre = pre + self.first_bias[rows]
-        a = self.act(pre)
-        keep = a.abs() > cut
-        kept, h = rows[keep], a[keep]
-        nk = kept.numel()
-        self._count(kept=nk)
-        if self.gate is not None and nk:
-            if u_all is None and not rec and nk > self.up_crossover * n:
-                u_all = cpu.gemv(self.up, x)
-                self._count(up_dense=1)
-            if u_all is not None:
-                u = u_all[kept.long()]
-            else:
-                u = cpu.gemv_rows(self.up, x, kept)
-                self._count(up_rows=nk)
-            if self.up_bias is not None:
-                u = u + self.up_bias[kept]
-            if self.act_name == "drelu":
-                u = F.relu(u)
-            h = h * u
-        if not rec and nk > self.crossover * n:  # down dense, in its stored column order
-            self._count(down_dense=1)
-            full = torch.zeros(n).index_copy_(0, self.order[kept.long()], h)
-            return cpu.gemv(self.down.weight, full)
-        if nk == 0:
-            return torch.zeros(self.d_model)
-        self._count(down_rows=nk)
-        return cpu.axpy_rows(self.down_t, h.contiguous(), kept)
 
     # ------------------------------------------------------------------ neuron records
     @property
@@ -541,7 +462,7 @@ class SparseFFN(nn.Module):
         """Move first (gate), up and down_t into neuron records (`neuron_records`); gate and up
         stop being views of the fused gate+up weight, whose memory is released."""
         ws = [self.first, self.up, self.down_t] if self.gate is not None else [self.up, self.down_t]
-        self._records, views = _kernels().neuron_records(ws)
+        self._records, views = cpu.neuron_records(ws)
         if self.gate is not None:
             self.gate, self.up, self._down_t = views
         else:
@@ -550,66 +471,45 @@ class SparseFFN(nn.Module):
         self._rec_parts = (self.gate, self.up, self._down_t)
 
     # ------------------------------------------------------------------ C decode step
-    def decode_args(self, norm: nn.Module | None) -> tuple | None:
-        """Arguments of the C step `_cpu.decode_sparse_mlp` (decode.c), which computes one token
-        of `decode` (norm None) or ``x + self(norm(x))`` (norm an RMSNorm) in one call: predictor,
-        candidate rows, kernels and element-wise work without the ~15 Python operations per layer
-        of `decode_py`.  None where it does not apply (another mode or norm, a calibration
-        observer, weights off the CPU, no compiled kernels).  Built once and reused while the
-        weights, predictor and settings are the same objects."""
-        if self._mode != "predict" or self.observer is not None or not _kernels().available():
-            return None
-        key = (norm, None if norm is None else norm.weight, self.gate, self.up, self.gate_bias, self.up_bias,
-               self.down.weight, self.down.bias, self.predictor, self._threshold, self.density, self.dense_crossover,
-               self.dense_gate_up)
-        return _reuse(self, key, lambda: self._build_decode_args(norm))
+    def step(self, norm: nn.Module | None) -> FFNStep | None:
+        """The C step of one token (`kernels.decode_plan.sparse_ffn_step`): `decode` (norm None)
+        or ``x + self(norm(x))`` (norm an RMSNorm), built on first use and rebuilt after a
+        setting changes; None where it does not apply (another mode or norm, a calibration
+        observer, weights off the CPU, no compiled kernels)."""
+        got = self.__dict__.get("_step")
+        if got is not None and got[0][0] is not norm and isinstance(got[1], FFNStep):  # keep its counters
+            self._add_counters(self._stats, got[1].stats)
+        return decode_plan.cached_step(self, (norm,), lambda: self._build_step(norm))
 
-    def _build_decode_args(self, norm: nn.Module | None) -> tuple | None:
-        cpu = _kernels()
-        if norm is not None and (type(norm) is not RMSNorm or not norm.weight.is_cpu):
+    def _build_step(self, norm: nn.Module | None) -> FFNStep | None:
+        if self._mode not in ("predict", "oracle") or self.observer is not None or not decode_plan.available():
             return None
-        code = cpu._ACT.get(self.kernel_act)
-        weights = [self.first, self.up, self.down.weight]
-        vecs = [self.first_bias, self.up_bias, self.down.bias]
+        if norm is not None and type(norm) is not RMSNorm:
+            return None
         p = self.predictor
-        if p is not None:
-            weights += [p.w1, p.w2t]
-            vecs += [p.b1, p.cut]
-        if code is None or not all(w.qs.is_cpu for w in weights) or \
-                not all(v is None or (v.is_cpu and v.dtype is torch.float32 and v.is_contiguous()) for v in vecs):
+        if not decode_plan.on_cpu(self.first, self.up, self.down.weight, self.first_bias, self.up_bias, self.down.bias,
+                                  None if norm is None else norm.weight, *(() if p is None else (p.w1, p.w2t))):
             return None
-        gated = self.gate is not None
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        self._order32 = self.order.to(torch.int32)
-        forced = self.density is not None
-        fused = self._fusable or (forced and self._fusable_forced)
-        topk = self._k() if forced and p is not None else 0
-        pred = (*cpu._desc(p.w1), ptr(p.b1), *cpu._desc(p.w2t), ptr(p.cut)) if p is not None \
-            else (*cpu._NO_GATE, 0, *cpu._NO_GATE, 0)
         self.build_decode_layout()
-        flags = int(fused) | (2 if self._dense_gate_up else 0) | (4 if self._records_intact else 0)
-        static = (self.d_model, code, int(self.act_name == "drelu"), flags, self.n_neurons,
-                  *cpu._desc(self.first), ptr(self.first_bias),
-                  *(cpu._desc(self.up) if gated else cpu._NO_GATE), ptr(self.up_bias if gated else None),
-                  *cpu._desc(self.down_t), *cpu._desc(self.down.weight), self._order32.data_ptr(),
-                  ptr(self.down.bias), *pred, topk, -1.0 if forced else self.threshold, self.crossover, self.up_crossover,
-                  self._ccount.ctypes.data)
-        return (0 if norm is None else norm.weight.data_ptr(), 0.0 if norm is None else norm.eps, static)
+        forced = self.density is not None
+        gated = self.gate is not None
+        return decode_plan.sparse_ffn_step(
+            act=self.kernel_act, relu_up=self.act_name == "drelu", first=self.first, second=self.up if gated else None,
+            down_t=self.down_t, down=self.down.weight, order=self.order, threshold=-1.0 if forced else self.threshold,
+            crossover=self.crossover, up_crossover=self.up_crossover, first_bias=self.first_bias,
+            second_bias=self.up_bias if gated else None, down_bias=self.down.bias, predictor=p,
+            topk=self._k() if forced and p is not None else 0,
+            fused=self._fusable or (forced and self._fusable_forced), gate_up_fused=self._dense_gate_up,
+            records=self._records_intact, forced_rows=self._forced_rows if forced and p is None else None,
+            norm_w=None if norm is None else norm.weight, eps=0.0 if norm is None else norm.eps)
 
-    def decode_into(self, x: torch.Tensor, y: torch.Tensor, args: tuple) -> None:
-        """Run the C step with `decode_args`' `args` from x (d,) float32 into y (may be x)."""
-        norm_ptr, eps, static = args
-        if self.density is not None and self.predictor is None:
-            rows = self._forced_rows(x)
-            rp, nr = rows.data_ptr(), rows.numel()
-        else:
-            rp, nr = 0, -1
-        _kernels()._cpu.decode_sparse_mlp(x.data_ptr(), y.data_ptr(), norm_ptr, eps, rp, nr, *static)
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in _STEP_INPUTS and "_step" in self.__dict__:  # the C step was built from the old value
+            got = self.__dict__.pop("_step")
+            if isinstance(got[1], FFNStep):
+                self._add_counters(self._stats, got[1].stats)
 
-    def decode_step(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
-        """``x + self(norm(x))`` for one token (x (1, 1, n) float32 on the CPU) through the C step,
-        or None where it does not apply."""
-        return ffn_decode_step(self, x, norm, self.d_model)
 
     # ------------------------------------------------------------------ reference
     def reference(self, x: torch.Tensor) -> torch.Tensor:

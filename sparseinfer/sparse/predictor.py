@@ -11,6 +11,7 @@ through our CPU kernels (`gemv` for decode, `matmul` for whole chunks).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..kernels import cpu, torch_device
 from ..quant import from_float
 
 LADDER = (32, 64, 128, 256, 512, 1024)
@@ -46,9 +48,6 @@ class QPredictor:
 
     def __init__(self, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
                  tau: float, fmt: str = "q8"):
-        from ..kernels import cpu
-
-        self._cpu = cpu
         self.w1 = from_float(w1.float(), fmt)
         # W2 is stored transposed, (r, n): decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows`
         # over r long rows), ~7x faster than `gemv` over n rows of r values, and z is not
@@ -60,6 +59,25 @@ class QPredictor:
         self.cut = (self.tau - self.b2).contiguous()  # logit > tau  <=>  W2 z > tau - b2
         self._cut_np = self.cut.numpy()
         self._nbytes: int | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.w1.qs.device
+
+    def to(self, device: torch.device | str) -> "QPredictor":
+        """A copy with its weights on `device` (an accelerator runs it with torch ops, same
+        values and decision rule)."""
+        out = copy.copy(self)
+        out.w1, out.w2t = self.w1.to(device), self.w2t.to(device)
+        out.b1, out.b2, out.cut = self.b1.to(device), self.b2.to(device), self.cut.to(device)
+        out._hidden_ids = self._hidden_ids.to(device)
+        return out
+
+    def device_nbytes(self) -> int:
+        """Bytes it takes in an accelerator's memory (allocator rounding included)."""
+        td = torch_device
+        return (td.qweight_device_nbytes(self.w1) + td.qweight_device_nbytes(self.w2t) + td.device_nbytes(self.b1)
+                + td.device_nbytes(self.cut))
 
     @property
     def hidden_size(self) -> int:
@@ -77,9 +95,9 @@ class QPredictor:
         return self._nbytes
 
     def _raw(self, x: torch.Tensor) -> torch.Tensor:
-        z = self._cpu.gemv(self.w1, x)
+        z = cpu.gemv(self.w1, x)
         z.add_(self.b1).relu_()
-        return self._cpu.axpy_rows(self.w2t, z, self._hidden_ids)
+        return cpu.axpy_rows(self.w2t, z, self._hidden_ids)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Logits (n,) for one FFN input x (d,)."""
@@ -97,12 +115,17 @@ class QPredictor:
         return order[:k].sort().values.to(torch.int32)
 
     def scores_batch(self, x2: torch.Tensor) -> torch.Tensor:
-        """Logits (M, n) for inputs (M, d), through `matmul` (chunks, perplexity)."""
-        z = self._cpu.matmul(self.w1, x2.float().contiguous())
-        z.add_(self.b1).relu_()
-        return z @ self.w2t.dequantize() + self.b2
+        """Logits (M, n) for inputs (M, d) on the predictor's device, through `matmul`
+        (chunks, perplexity, an accelerator's tokens)."""
+        x2 = x2.float().contiguous()
+        if x2.is_cpu:  # our kernels at every size: decisions must match the C decode step's
+            z = cpu.matmul(self.w1, x2)
+            return z.add_(self.b1).relu_() @ self.w2t.dequantize() + self.b2
+        z = torch_device.matmul(self.w1, x2)
+        return torch_device.matmul_t(z.add_(self.b1).relu_(), self.w2t) + self.b2
 
     def mask_batch(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, n) bool: predicted active, per input row (logit > tau)."""
         return self.scores_batch(x2) > self.tau
 
     def reference_scores(self, x2: torch.Tensor) -> torch.Tensor:

@@ -6,13 +6,13 @@ transient memory is bounded whatever the matrix size.  The same code runs with t
 standing in for the accelerator, which is how the tests exercise it.
 
 A Triton kernel (fused gather + dequantize + dot) would avoid the float32 round trip; it is not
-here because it could not be measured or tested on a GPU yet.  The hook is `HybridFFN._hot_rows`.
+here because it could not be measured or tested on a GPU yet.  The hooks are `rows_gemv` and
+`rows_axpy`, the row products the hybrid FFN's device part hands to the one-token reference.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..quant import BLOCK, QUANT_FORMATS, QWeight, dequantize
 
@@ -86,7 +86,7 @@ def fake_quant_x(x2: torch.Tensor) -> torch.Tensor:
     mins term uses the block sums of this rounded x, so a plain product with the full
     dequantized weight is the same function.  The accelerator then computes what the CPU
     does, and predictors decide the same way on both."""
-    from ..kernels import cpu
+    from . import cpu
 
     m, k = x2.shape
     xb = F.pad(x2, (0, (-k) % BLOCK)).view(m, -1, BLOCK)
@@ -123,32 +123,19 @@ def matmul_t(h: torch.Tensor, wt: QWeight) -> torch.Tensor:
     return y
 
 
-class DeviceLinear(nn.Module):
-    """`Linear` for a weight that lives on an accelerator (or torch-CPU standing in for one)."""
+def rows_gemv(w: QWeight, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y[j] = W[rows[j]] . x on w's device (`reference.sparse_ffn_token`'s row product)."""
+    y = torch.empty(rows.numel(), dtype=torch.float32, device=x.device)
+    step = chunk_rows(w)
+    for a in range(0, rows.numel(), step):
+        y[a: a + step] = matmul(w.select_rows(rows[a: a + step]), x[None])[0]
+    return y
 
-    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
 
-    @classmethod
-    def moved(cls, linear: nn.Module, device: torch.device) -> "DeviceLinear":
-        bias = None if linear.bias is None else linear.bias.float().to(device)
-        return cls(linear.weight.to(device), bias)
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.cols
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.rows
-
-    def nbytes(self) -> int:
-        return qweight_device_nbytes(self.weight) + device_nbytes(self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = matmul(self.weight, x.reshape(-1, x.shape[-1]).float())
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*lead, -1)
+def rows_axpy(wt: QWeight, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """y = sum_j h[j] Wt[rows[j]] on wt's device (`reference.sparse_ffn_token`'s down product)."""
+    y = torch.zeros(wt.cols, dtype=torch.float32, device=h.device)
+    step = chunk_rows(wt)
+    for a in range(0, rows.numel(), step):
+        y += matmul_t(h[None, a: a + step], wt.select_rows(rows[a: a + step]))[0]
+    return y
