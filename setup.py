@@ -13,7 +13,12 @@ from setuptools import Extension, setup
 
 SOURCES = [
     "sparseinfer/csrc/module.c",
-    "sparseinfer/csrc/ops.c",
+    "sparseinfer/csrc/runtime.c",
+    "sparseinfer/csrc/quant.c",
+    "sparseinfer/csrc/dense.c",
+    "sparseinfer/csrc/sparse.c",
+    "sparseinfer/csrc/norm_attn.c",
+    "sparseinfer/csrc/probe.c",
     "sparseinfer/csrc/decode.c",
     "sparseinfer/csrc/pool.c",
     "sparseinfer/csrc/kern_scalar.c",
@@ -32,7 +37,8 @@ setup(
         Extension(
             "sparseinfer._cpu",
             sources=SOURCES,
-            depends=["sparseinfer/csrc/common.h", "sparseinfer/csrc/ops.h", "sparseinfer/csrc/pool.h",
+            depends=["sparseinfer/csrc/common.h", "sparseinfer/csrc/ops.h", "sparseinfer/csrc/ops_internal.h",
+                     "sparseinfer/csrc/pool.h",
                      "sparseinfer/csrc/kern_avx512_impl.h", "sparseinfer/csrc/attend_impl.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,

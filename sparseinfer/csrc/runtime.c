@@ -1,0 +1,132 @@
+/* Run-time setup shared by every operation: which kernel level runs (si_level_names,
+ * si_level_supported, si_select, si_kern, and si_act, the level's activation function called
+ * directly), the qmat descriptor of a weight (si_qmat_init) and the grow-only per-thread
+ * scratch buffers (si_scratch).  Separate from the operations because all of them, and
+ * decode.c, depend on it while it depends on none of them. */
+#define _GNU_SOURCE
+#include "ops_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ kernel selection */
+
+const char *const si_level_names[] = {
+#if SI_X86
+    "avx512amx", "avx512vnni", "avx512", "avx2",
+#endif
+    "scalar", NULL};
+
+static const kernels_t *table_of(const char *name) {
+#if SI_X86
+    if (!strcmp(name, "avx512amx")) return &si_kernels_avx512amx;
+    if (!strcmp(name, "avx512vnni")) return &si_kernels_avx512vnni;
+    if (!strcmp(name, "avx512")) return &si_kernels_avx512;
+    if (!strcmp(name, "avx2")) return &si_kernels_avx2;
+#endif
+    if (!strcmp(name, "scalar")) return &si_kernels_scalar;
+    return NULL;
+}
+
+int si_level_supported(const char *name) {
+#if SI_X86
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (!strcmp(name, "avx512amx")) return avx512 && __builtin_cpu_supports("avx512vnni") && si_amx_supported();
+    if (!strcmp(name, "avx512vnni")) return avx512 && __builtin_cpu_supports("avx512vnni");
+    if (!strcmp(name, "avx512")) return avx512;
+    if (!strcmp(name, "avx2")) return avx2;
+#endif
+    return !strcmp(name, "scalar");
+}
+
+static const kernels_t *KERN;
+
+const kernels_t *si_kern(void) {
+    if (!KERN) {
+        const char *env = getenv("SPARSEINFER_SIMD");
+        if (env && table_of(env) && si_level_supported(env)) {
+            KERN = table_of(env);
+        } else {
+            for (int i = 0; si_level_names[i]; i++)
+                if (si_level_supported(si_level_names[i])) {
+                    KERN = table_of(si_level_names[i]);
+                    break;
+                }
+        }
+    }
+    return KERN;
+}
+
+const char *si_level(void) { return si_kern()->name; }
+
+int si_select(const char *name) {
+    const kernels_t *k = table_of(name);
+    if (!k) return -1;
+    if (!si_level_supported(name)) return -2;
+    KERN = k;
+    return 0;
+}
+
+int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m,
+                 int64_t qs_stride, int64_t d_stride) {
+    if (fmt < 0 || fmt >= FMT_COUNT || rows < 0 || cols <= 0 || (!qs && rows > 0)) return -1;
+    w->fmt = fmt;
+    w->rows = rows;
+    w->cols = cols;
+    w->kp = (cols + 31) / 32 * 32;
+    w->nb = w->kp / 32;
+    w->qs = (const uint8_t *)qs;
+    w->d = (const uint16_t *)d;
+    w->m = (const uint16_t *)m;
+    switch (fmt) {
+    case FMT_F32: w->row_bytes = 4 * cols; break;
+    case FMT_F16: case FMT_BF16: w->row_bytes = 2 * cols; break;
+    case FMT_Q8: w->row_bytes = w->kp; break;
+    case FMT_Q6: w->row_bytes = w->kp / 4 * 3; break;
+    default: w->row_bytes = w->kp / 2; break;
+    }
+    w->nd = fmt == FMT_Q6 ? 2 * w->nb : w->nb;
+    w->ds = w->nd;
+    /* strides: 0 = natural; never below the natural widths */
+    if (qs_stride) {
+        if (qs_stride < w->row_bytes) return -1;
+        w->row_bytes = qs_stride;
+    }
+    if (d_stride) {
+        if (d_stride < w->nd) return -1;
+        w->ds = d_stride;
+    }
+    if (fmt >= FMT_Q8 && !d && rows > 0) return -1;
+    if (fmt == FMT_Q4 && !m && rows > 0) return -1;
+    if (fmt < FMT_Q8) w->d = w->m = NULL;
+    if (fmt == FMT_Q6) w->m = NULL;
+    return 0;
+}
+
+/* -------------------------------------------------------------------- scratch memory */
+
+/* Grow-only per-thread buffers (the calling thread's; workers only read/write them during
+ * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
+ * 4 = axpy partial sums, 5 = attention scores, 6 = fused decode steps (decode.c),
+ * 7 = a worker's temporaries in the neuron-record FFN pass, 8,9 = activations of slot 0,1
+ * packed for AMX tiles, 10 = axpy rows in tile order. */
+static _Thread_local struct { void *p; size_t n; } TLS[11];
+
+void *si_scratch(int slot, size_t n) {
+    if (TLS[slot].n < n) {
+        free(TLS[slot].p);
+        n = (n + 4095) & ~(size_t)4095;
+        if (posix_memalign(&TLS[slot].p, 64, n) != 0) {
+            TLS[slot].p = NULL;
+            TLS[slot].n = 0;
+            return NULL;
+        }
+        TLS[slot].n = n;
+    }
+    return TLS[slot].p;
+}
+
+void si_act(int act, float *v, int64_t n) { si_kern()->act(act, v, n); }
