@@ -44,7 +44,7 @@ def bench_llamacpp(path: str, threads: int, n_prompt: int, n_gen: int) -> dict:
 
 def bench_ours(model: str, threads: int, n_prompt: int, n_gen: int, extra: list[str]) -> dict:
     """Run `sparseinfer bench` in a subprocess (a fresh process, like llama.cpp's)."""
-    out = subprocess.run([sys.executable, "-m", "sparseinfer.cli", "bench", "-m", model, "-t", str(threads),
+    out = subprocess.run([sys.executable, "-m", "sparseinfer.commands", "bench", "-m", model, "-t", str(threads),
                           "--n-prompt", str(n_prompt), "--n-gen", str(n_gen), "--json", "/dev/stdout", *extra],
                          capture_output=True, text=True, check=True).stdout
     rec = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])

@@ -72,7 +72,7 @@ else
     # the fewest for which prepare's train/tune/report split is non-empty)
     PT=$(($(left) - 170)); [ "$PT" -lt 60 ] && PT=60
     log "making a quick sparsity pack in the background, at most ${PT}s ($LOGS/prepare.log)"
-    timeout "$PT" "$PY" -m sparseinfer.cli prepare "$GGUF" --data "$CALIB" --target-sparsity 0.6 --tokens 2560 \
+    timeout "$PT" "$PY" -m sparseinfer.commands prepare "$GGUF" --data "$CALIB" --target-sparsity 0.6 --tokens 2560 \
         --steps 80 --sizes 64 --no-eval --no-plot >"$LOGS/prepare.log" 2>&1 &
     PREP_PID=$!
 fi
@@ -98,7 +98,7 @@ if [ -n "$GGUF" ]; then
     [ "$T" -lt 60 ] && T=60
     log "benchmark ($MODES at 0/25/50/100% of the model size; ${T}s left)"
     rm -f gpu_check.jsonl
-    timeout "$T" "$PY" -m sparseinfer.hybrid.bench -m "$GGUF" --modes "$MODES" --budgets 0,0.25,0.5,1 \
+    timeout "$T" "$PY" -m sparseinfer.commands.hybrid_bench -m "$GGUF" --modes "$MODES" --budgets 0,0.25,0.5,1 \
         -c 1024 --n-prompt 64 --n-gen 32 --json gpu_check.jsonl 2>"$LOGS/bench.log"
     BENCH=$?
     [ "$BENCH" -eq 0 ] || log "benchmark exit $BENCH (1: a peak exceeded its budget; 124: timed out; see $LOGS/bench.log)"

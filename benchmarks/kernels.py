@@ -256,7 +256,7 @@ class Bench:
         try:
             self.numba_q4(d_ff, d_model, x)
         except ImportError:
-            log("  numba not installed")
+            log("  numba not installed (pip install 'sparseinfer[bench]')")
 
     def numba_q4(self, d_ff, d_model, x):
         import numba
@@ -534,7 +534,10 @@ def write_markdown(path, b: Bench, meta):
 
 
 def write_plot(path, b: Bench):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'sparseinfer[plots]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

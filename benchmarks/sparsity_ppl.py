@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 import sparseinfer
-from sparseinfer.perplexity import DEFAULT_TEXT, perplexity
+from sparseinfer.commands.args import repo_data
+from sparseinfer.perplexity import perplexity
 from sparseinfer.sparse import calibrate as cal
 from sparseinfer.sparse.apply import replace_ffns, restore, sparse_ffns, sparsify
 from sparseinfer.sparse.ffn import SparseFFN
@@ -39,7 +40,7 @@ def threshold_samples(llm, tokens: int = 2048):
 def run(a) -> list[dict]:
     llm = sparseinfer.load(a.model, threads=a.threads, dense=True)
     torch.set_num_threads(1)  # small torch ops next to the kernels' pool (see sparse/prepare.py)
-    text = Path(a.file or DEFAULT_TEXT).read_text(encoding="utf-8")
+    text = Path(a.file or repo_data("wikitext-2-raw", "wiki.test.raw", flag="--file")).read_text(encoding="utf-8")
     name = Path(llm.info.path).name
     base = {"model": name, "chunks": a.chunks, "ctx": a.ctx}
 

@@ -1,7 +1,6 @@
 """`sparseinfer bench`: prompt (prefill) and decode throughput on synthetic tokens, after warm-up."""
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -33,33 +32,30 @@ def measure(llm, n_prompt: int = 512, n_gen: int = 128, seed: int = 0) -> dict:
             **bench_fields(llm.model, t2 - td)}
 
 
-def run_bench(a) -> int:
-    from . import load
-
-    llm = load(a.model, threads=a.threads, sparse=getattr(a, "sparse", None) or "auto",
-               dense=getattr(a, "dense", False), density=getattr(a, "density", None), ctx_size=a.ctx_size,
-               device=getattr(a, "device", "cpu"), vram_budget=getattr(a, "vram_budget", None),
-               act_mode=getattr(a, "act_mode", "auto"))
+def bench_record(llm, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 1) -> dict:
+    """The best of `repetitions` runs of `measure` (by decode speed), as the record that
+    `sparseinfer bench --json` writes."""
     from .kernels import cpu
 
     threads = cpu.get_num_threads() if cpu.available() else torch.get_num_threads()  # the weight-product threads
     best = None
-    for _ in range(max(1, a.repetitions)):
-        r = measure(llm, a.n_prompt, a.n_gen)
+    for _ in range(max(1, repetitions)):
+        r = measure(llm, n_prompt, n_gen)
         if best is None or r["decode_tps"] > best["decode_tps"]:
             best = r
-    rec = {"model": str(llm.info.path), "mode": best["mode"], "density": round(best["density"], 4), "threads": threads,
-           "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2),
-           "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
-           "bytes_per_token": int(best["bytes_per_token"]),
-           "predictor_time_fraction": round(best["predictor_time_fraction"], 4),
-           "act_mode": cpu.activation_mode(), "kernels": cpu.simd_level()}
-    print(f"model: {llm.info.path}\nthreads: {threads}, kernels: {rec['kernels']}, activations: {rec['act_mode']}\nmode: {rec['mode']} (density {rec['density']:.3f}, "
-          f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
-          f"prompt ({a.n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
-          f"decode ({a.n_gen} tokens):  {rec['decode_tps']:.1f} tok/s, {rec['bytes_per_token'] / 2**20:.1f} MiB/token, "
-          f"predictor {100 * rec['predictor_time_fraction']:.1f}% of decode time")
-    if a.json:
-        with open(a.json, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-    return 0
+    return {"model": str(llm.info.path), "mode": best["mode"], "density": round(best["density"], 4),
+            "threads": threads, "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2),
+            "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
+            "bytes_per_token": int(best["bytes_per_token"]),
+            "predictor_time_fraction": round(best["predictor_time_fraction"], 4),
+            "act_mode": cpu.activation_mode(), "kernels": cpu.simd_level()}
+
+
+def format_record(rec: dict, n_prompt: int, n_gen: int) -> str:
+    """`bench_record`'s result for people."""
+    return (f"model: {rec['model']}\nthreads: {rec['threads']}, kernels: {rec['kernels']}, activations: {rec['act_mode']}\n"
+            f"mode: {rec['mode']} (density {rec['density']:.3f}, "
+            f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
+            f"prompt ({n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
+            f"decode ({n_gen} tokens):  {rec['decode_tps']:.1f} tok/s, {rec['bytes_per_token'] / 2**20:.1f} MiB/token, "
+            f"predictor {100 * rec['predictor_time_fraction']:.1f}% of decode time")

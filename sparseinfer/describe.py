@@ -1,4 +1,4 @@
-"""`sparseinfer inspect`: what a model file holds, without building the model."""
+"""What a model file holds, without building the model (`sparseinfer inspect`)."""
 from __future__ import annotations
 
 from collections import Counter

@@ -27,10 +27,15 @@ class LoadInfo:
 
 
 class LLM:
-    """A model ready to generate. Make one with `sparseinfer.load(path)`."""
+    """A model ready to generate. Make one with `sparseinfer.load(path)`.
 
-    def __init__(self, model: CausalLM, tokenizer, source: WeightSource, ctx_size: int | None, info: LoadInfo):
+    sparsity: the `SparsityPack` the model runs with, or None (dense); placement: the
+    `Placement` of its parts on an accelerator, or None (all on the CPU)."""
+
+    def __init__(self, model: CausalLM, tokenizer, source: WeightSource, ctx_size: int | None, info: LoadInfo,
+                 sparsity=None, placement=None):
         self.model, self.tokenizer, self.source, self.info = model, tokenizer, source, info
+        self.sparsity, self.placement = sparsity, placement
         limit = model.config.max_position_embeddings
         self.ctx_size = min(ctx_size, limit) if ctx_size else min(limit, 4096)
 
@@ -135,8 +140,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     finally:
         torch.set_num_threads(torch_threads)
     info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
-    llm = LLM(model, tok, src, ctx_size, info)
-    llm.sparsity = pack  # the SparsityPack in use, or None
+    llm = LLM(model, tok, src, ctx_size, info, sparsity=pack)
     from .hybrid import prepare as place_on_device
 
     with torch.inference_mode():

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
-
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 
 def chunk_tokens(tokens: list[int], ctx: int, n_chunks: int | None, bos: int | None) -> list[list[int]]:

@@ -357,11 +357,11 @@ def test_cuda_budget_is_a_promise(mode, frac, smollm2_path):
 
 def test_plan_command_prints_and_plots(folders, tmp_path, capsys, monkeypatch):
     from sparseinfer.hybrid.placement import Placement
-    from sparseinfer.hybrid.plan import main
+    from sparseinfer.commands import main
 
     monkeypatch.setenv("SPARSEINFER_HOME", str(tmp_path / "home"))
     png, js = tmp_path / "p.png", tmp_path / "p.json"
-    assert main([str(folders("llama")), "--vram-budget", "200MiB", "-c", "64", "--plot", str(png),
+    assert main(["plan", str(folders("llama")), "--vram-budget", "200MiB", "-c", "64", "--plot", str(png),
                  "--json", str(js)]) == 0
     out = capsys.readouterr().out
     assert "placement on cuda: mode layers" in out and "expected fraction" in out

@@ -13,7 +13,7 @@ import torch
 import sparseinfer
 from sparseinfer.sparse import calibrate as cal
 from sparseinfer.sparse.apply import sparse_ffns, sparsify
-from sparseinfer.sparse.prepare import PrepareOptions, prepare
+from sparseinfer.sparse.prepare import PrepareOptions, make_pack
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,8 @@ def pack(smollm2_path, shared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("pack") / "smollm2.sparse"
     opts = PrepareOptions(tokens=2048, steps=150, sizes=(32, 64), target_sparsity=0.4, output=str(out),
                           plot=False, evaluate=False, progress=False, eval_tokens=512)
-    return prepare(smollm2_path, opts, threads=2)
+    llm = sparseinfer.load(smollm2_path, threads=2, dense=True)
+    return make_pack(llm.model, llm.source, llm.tokenizer, llm.info.path, opts)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_sparse_generation(pack, smollm2_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "sparseinfer.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "sparseinfer.commands", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_cli_bench_density_json(pack, smollm2_path, tmp_path):

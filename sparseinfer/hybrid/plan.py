@@ -1,79 +1,14 @@
-"""`sparseinfer plan MODEL --vram-budget X`: print (and plot) where each part would live.
+"""Placement reports: weight bytes of a model, plots of a placement and of a budget sweep, and a
+fixed-width table (`sparseinfer plan` and the hybrid benchmark print and draw with these).
 
-Planning needs no GPU: it costs the parts as a CUDA device would hold them, so a placement can
-be inspected on the laptop that will never run it.
+Plotting needs matplotlib (`pip install 'sparseinfer[plots]'`), imported only when a plot is drawn.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from .budget import format_bytes, parse_vram_budget
+from ..errors import SparseInferError
 from .placement import DEFAULT_GROUP, Placement
-
-
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """`plan` subcommand (the CLI calls this with its subparsers)."""
-    p = subparsers.add_parser("plan", help="show the GPU/CPU placement for a VRAM budget (no GPU needed)")
-    p.add_argument("model", nargs="?", default=None, help="a .gguf file, a Hugging Face folder or a catalog name")
-    p.add_argument("--vram-budget", required=True, help="GPU memory to use: 4GiB, 512MiB, or a number of GiB")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size the KV cache is sized for")
-    p.add_argument("--offload", choices=("auto", "neurons", "layers"), default="auto",
-                   help="neurons: hot FFN neurons (needs a sparsity pack); layers: whole layers (-ngl); "
-                        "auto: neurons when there is a pack")
-    p.add_argument("--sparse", default="auto", metavar="PACK", help="sparsity pack (default: MODEL.sparse if present)")
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP, help="neurons per ILP unit")
-    p.add_argument("--solver", choices=("ilp", "greedy"), default="ilp")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of the placement here")
-    p.add_argument("--sweep", default=None, metavar="PNG",
-                   help="also plot the GPU's share of activations against the budget (ILP, greedy, layer offload)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the placement as JSON here")
-    p.add_argument("--verbose", action="store_true")
-    p.set_defaults(func=cmd_plan)
-    return p
-
-
-def cmd_plan(a) -> int:
-    import torch
-
-    from .. import catalog
-    from ..io.weights import open_source
-    from ..models.registry import build_model
-    from ..sparse.apply import apply_sparsity
-    from . import NeuronStats, plan_for_model
-
-    budget = parse_vram_budget(a.vram_budget)
-    path = catalog.resolve(a.model)
-    src = open_source(path)
-    with torch.inference_mode():
-        model = build_model(src)
-        pack = None if a.offload == "layers" else apply_sparsity(model, path, src, a.sparse)
-    limit = model.config.max_position_embeddings
-    ctx = min(a.ctx_size, limit) if a.ctx_size else min(limit, 4096)  # as `LLM` sizes it
-    stats = NeuronStats.from_pack(pack) if pack is not None else None
-    mode = a.offload
-    if mode == "neurons" and stats is None:
-        print("no sparsity pack for this model (make one with `sparseinfer prepare`); showing layer offload",
-              file=sys.stderr)
-        mode = "layers"
-    p = plan_for_model(model, budget, ctx, "cuda", stats, mode, src.fingerprint(), group_size=a.group_size,
-                       solver=a.solver)
-    print(f"model: {path} ({format_bytes(model_bytes(model))} of weights), context {ctx}")
-    print(p.describe())
-    if a.json:
-        Path(a.json).write_text(p.to_json())
-    if a.plot:
-        plot_placement(p, a.plot, title=f"{Path(str(path)).name}, VRAM budget {format_bytes(budget)}")
-        print(f"plot: {a.plot}")
-    if a.sweep:
-        from .costs import cost_model
-
-        freqs = stats.hot_frequencies() if stats is not None else None
-        plot_sweep(cost_model(model, ctx, "cuda"), freqs, a.sweep, title=f"{Path(str(path)).name}, context {ctx}",
-                   group_size=a.group_size)
-        print(f"sweep plot: {a.sweep}")
-    return 0
 
 
 def model_bytes(model) -> int:
@@ -86,12 +21,9 @@ def model_bytes(model) -> int:
 def plot_placement(p: Placement, path: str | Path, title: str = "") -> Path:
     """Per layer: share of FFN neurons and of expected activations on the GPU, where attention
     runs; below, the budget split by kind."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = _pyplot()
     n = p.n_layers
     x = np.arange(n)
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(max(6.0, 0.28 * n + 3), 5.5), height_ratios=[3, 1],
@@ -134,13 +66,11 @@ def plot_sweep(costs, freqs, path: str | Path, title: str = "", group_size: int 
     """Against the budget: the weight bytes the CPU still reads per token (what bounds decode
     speed while the CPU is the slower side) and the share of FFN activations on the GPU, for hot
     neurons by ILP and by greedy (with a pack) and for whole-layer offload of the dense model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     from .placement import plan_layer_offload, plan_placement
+
+    plt = _pyplot()
 
     full = costs.scratch + costs.head + sum(lc.core + lc.predictor + lc.neuron * lc.n_neurons + costs.ffn_overhead
                                             for lc in costs.layers)
@@ -171,6 +101,18 @@ def plot_sweep(costs, freqs, path: str | Path, title: str = "", group_size: int 
     return path
 
 
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or a one-line error naming the extra to install."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SparseInferError("plots need matplotlib: pip install 'sparseinfer[plots]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def placement_table(rows: list[dict]) -> str:
     """A fixed-width table of dicts (same keys), for benchmark output."""
     if not rows:
@@ -184,15 +126,3 @@ def placement_table(rows: list[dict]) -> str:
 
 def _fmt(v) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m sparseinfer.hybrid.plan MODEL --vram-budget X` (before the CLI hook is in)."""
-    ap = argparse.ArgumentParser(prog="sparseinfer")
-    add_plan_parser(ap.add_subparsers(dest="command", required=True))
-    a = ap.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
-    return a.func(a)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """`python -m sparseinfer.server ...`: the same as `sparseinfer serve ...`."""
 import sys
 
-from .cli import main
+from sparseinfer.commands.serve import main
 
 sys.exit(main())

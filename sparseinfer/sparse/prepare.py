@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ RELU_ACTS = ("relu", "drelu")
 
 @dataclass
 class PrepareOptions:
-    data: str | None = None                 # calibration text (default: the ../shared/data mix)
+    data: str | None = None                 # calibration text: a file or folder; None: calibrate's default mix
     target_sparsity: float | None = None    # gated models: fixed per-layer sparsity
     max_ppl_increase: float | None = None   # gated models: search the sparsity (default 0.03)
     allocation: str = "uniform"             # per-layer sparsity: "uniform" or "error" (equal output-error share)
@@ -48,7 +49,7 @@ class PrepareOptions:
     evaluate: bool = True
     progress: bool = True
     seed: int = 0
-    torch_threads: int = 1                  # torch ops next to the C kernels (see `prepare`)
+    torch_threads: int = 1                  # torch ops next to the C kernels (see `make_pack`)
     extra: dict = field(default_factory=dict)
 
 
@@ -62,32 +63,40 @@ def model_weight_bytes(model) -> int:
     return sum(seen.values())
 
 
-def prepare(model_path, opts: PrepareOptions | None = None, threads: int | None = None) -> SparsityPack:
-    """Make and save the sparsity pack of one model; returns it (with `.path` set)."""
-    from ..engine import load
-
-    opts = opts or PrepareOptions()
+def check_options(opts: PrepareOptions) -> None:
+    """Refuse contradictory options, and a plot without matplotlib, before any slow work."""
     if opts.target_sparsity is not None and opts.max_ppl_increase is not None:
         raise SparseInferError("give --target-sparsity or --max-ppl-increase, not both")
     if opts.target_sparsity is not None and not 0.0 <= opts.target_sparsity < 1.0:
         raise SparseInferError(f"--target-sparsity must be in [0, 1), got {opts.target_sparsity}")
-    t_start = time.perf_counter()
-    llm = load(model_path, threads=threads, dense=True)
+    if opts.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SparseInferError("the activation plot needs matplotlib: pip install 'sparseinfer[plots]' (or --no-plot)")
+
+
+def make_pack(model, source, tokenizer, model_path, opts: PrepareOptions | None = None,
+              started: float | None = None) -> SparsityPack:
+    """Make and save the sparsity pack of a dense model (as `sparseinfer.load(path, dense=True)`
+    builds it: `llm.model, llm.source, llm.tokenizer, llm.info.path`); returns it (with `.path`
+    set).  `started`: `time.perf_counter()` when the work began (the load), for the pack's
+    "seconds"; default now."""
+    opts = opts or PrepareOptions()
+    check_options(opts)
+    t_start = time.perf_counter() if started is None else started
     torch_threads = torch.get_num_threads()
     # torch's own thread team and the kernels' spinning pool fight over the cores; small torch
     # ops (norms, activations, training) run ~3x faster single-threaded next to the kernels.
     torch.set_num_threads(opts.torch_threads)
     try:
-        return _prepare(llm, opts, t_start)
+        return _prepare(model, source, tokenizer, Path(model_path), opts, t_start)
     finally:
         torch.set_num_threads(torch_threads)
 
 
-def _prepare(llm, opts: PrepareOptions, t_start: float) -> SparsityPack:
-    out = Path(opts.output) if opts.output else default_pack_path(llm.info.path)
-    cs = cal.calibration_set(llm.tokenizer, opts.data, opts.tokens, opts.seq_len, opts.eval_tokens, opts.seq_len * 2,
+def _prepare(model, source, tokenizer, model_path: Path, opts: PrepareOptions, t_start: float) -> SparsityPack:
+    out = Path(opts.output) if opts.output else default_pack_path(model_path)
+    cs = cal.calibration_set(tokenizer, opts.data, opts.tokens, opts.seq_len, opts.eval_tokens, opts.seq_len * 2,
                              opts.seed)
-    pack = build_pack(llm.model, llm.source, cs, opts, Path(llm.info.path).name)
+    pack = build_pack(model, source, cs, opts, model_path.name)
     if opts.plot:
         from .plots import plot_activation_frequency
 
@@ -237,16 +246,3 @@ def print_report(pack: SparsityPack, console=None) -> None:
         console.print(f"threshold sparsity: {pack.info['target_sparsity']:.3f}")
     if "plot" in pack.info:
         console.print(f"activation plot: {pack.info['plot']}")
-
-
-def run_prepare(a) -> int:
-    """CLI entry (`sparseinfer prepare`)."""
-    opts = PrepareOptions(data=a.data, target_sparsity=a.target_sparsity, max_ppl_increase=a.max_ppl_increase,
-                          allocation=a.allocation, tokens=a.tokens, recall=a.recall, steps=a.steps, output=a.output,
-                          plot=False if a.no_plot else True, evaluate=not a.no_eval)
-    if a.sizes:
-        opts.sizes = tuple(int(s) for s in a.sizes.split(","))
-    pack = prepare(a.model, opts, threads=a.threads)
-    print_report(pack)
-    print(f"wrote {pack.path}")
-    return 0
