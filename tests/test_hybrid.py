@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from sparseinfer.hybrid import NeuronStats, place_model
-from sparseinfer.hybrid import device_ops as dev
+from sparseinfer.kernels import torch_device as dev
 from sparseinfer.hybrid.costs import cost_model, device_bytes
-from sparseinfer.hybrid.ffn import DevicePredictor, HybridFFN
+from sparseinfer.hybrid.ffn import HybridFFN
 from sparseinfer.hybrid.model import DeviceLayerKV, HybridCausalLM
 from sparseinfer.io.weights import open_source
 from sparseinfer.kernels import cpu
@@ -128,7 +128,7 @@ def test_device_ops_chunking(monkeypatch):
 def test_device_predictor_decides_like_the_cpu_predictor():
     g = torch.Generator().manual_seed(2)
     qp = random_predictor(160, 64, g)
-    dp = DevicePredictor(qp, torch.device("cpu"))
+    dp = qp.to(torch.device("cpu"), torch_ops=True)  # torch-CPU standing in for the accelerator
     x = torch.randn(50, 64, generator=g)
     cpu_masks = torch.zeros(50, 160, dtype=torch.bool)
     for i in range(50):

@@ -164,17 +164,27 @@ def _stats(ffn) -> tuple:
     return st.tokens, st.rows, st.kept, st.bytes
 
 
+def _close(fast, ref, fmt):
+    """C step vs the one-token reference: f32 weights to rounding; integer formats within the
+    activation rounding and the q8 re-quantization of down_t (the reference reads down_t where
+    the C step may read the stored down)."""
+    tol = 1e-4 if fmt == "f32" else 0.05
+    torch.testing.assert_close(fast, ref, atol=tol * ref.abs().max().item(), rtol=0)
+
+
 @needs_c
+@pytest.mark.usefixtures("precise_activations")
 @pytest.mark.parametrize("act,gated,bias,fmt", [("silu", True, False, "q4"), ("drelu", True, False, "f32"),
                                                  ("relu", False, True, "f32"), ("gelu", False, True, "q8"),
                                                  ("gelu_pytorch_tanh", True, True, "q8")])
 @pytest.mark.parametrize("rows", ["predictor", "first", "first-gate-up", "top-k", "bank"])
 @pytest.mark.parametrize("crossover", [0.0, 1.0, None])  # None: by bytes, up and down apart
-def test_c_decode_step_equals_python_driven_kernels(act, gated, bias, fmt, rows, crossover):
-    """The one-call C step (`decode_sparse_mlp`) == `decode_py` (the same kernels driven from
-    Python) for every way of choosing rows (predicted, dense first projection + threshold, the
-    same with gate and up in one dense pass, forced top-k by predictor score, forced random
-    rows), both sides of the dense crossover, with the same counters (rows, neurons kept, bytes)."""
+def test_c_decode_step_equals_one_token_reference(act, gated, bias, fmt, rows, crossover):
+    """The C step (`SparseFFN.step`, csrc/decode.c) == `reference_token` (the one-token
+    algorithm in torch, `kernels.reference.sparse_ffn_token`) for every way of choosing rows
+    (predicted, dense first projection + threshold, the same with gate and up in one dense
+    pass, forced top-k by predictor score, forced random rows), on both sides of the dense
+    crossover; its counters count every token, and the predictor's time when it has one."""
     mlp = _mlp(act, gated, bias, fmt=fmt)
     n, d = mlp.n_neurons, mlp.down.out_features
     s = random_predictor(d, n, 0.0)
@@ -184,22 +194,23 @@ def test_c_decode_step_equals_python_driven_kernels(act, gated, bias, fmt, rows,
     ffn.dense_crossover, ffn.dense_gate_up = crossover, rows == "first-gate-up"
     x = torch.randn(6, d, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        assert ffn.decode_args(None) is not None
+        assert ffn.step(None) is not None
         fast = torch.stack([ffn.decode(r) for r in x])
-        fast_stats, fast_pred = _stats(ffn), ffn.stats.predictor_seconds
-        ffn.stats.reset()
-        ffn._row_bank = None  # drawn again: the same random row sets, from the first
-        slow = torch.stack([ffn.decode_py(r) for r in x])
-    torch.testing.assert_close(fast, slow, atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
-    assert fast_stats == _stats(ffn) and fast_stats[0] == 6
-    assert (fast_pred > 0) == (pred is not None)
+        st = ffn.stats
+        ffn._row_next[0] = 0  # the same random row sets, from the first
+        ref = torch.stack([ffn.reference_token(r) for r in x])
+    _close(fast, ref, fmt)
+    assert st.tokens == 6 and st.rows > 0 and st.bytes > 0
+    assert (st.predictor_seconds > 0) == (pred is not None)
+    ffn.reset_stats()
+    assert ffn.stats.tokens == 0
 
 
 @needs_c
 def test_c_top_k_ties_go_to_the_lowest_rows():
     """Forced density ranks by predictor score; where scores tie (here: a zero W2, so the
     scores are minus the cut, which takes three values) the C step's radix select and the
-    Python ranking both keep the lowest row ids, and agree on the output."""
+    reference's ranking both keep the lowest row ids, and agree on the output."""
     mlp = _mlp("silu", True, False, fmt="q8")
     n, d = mlp.n_neurons, mlp.down.out_features
     s = random_predictor(d, n, 0.0)
@@ -214,15 +225,17 @@ def test_c_top_k_ties_go_to_the_lowest_rows():
         assert torch.equal(rows, want)
         with torch.inference_mode():
             fast = torch.stack([ffn.decode(r) for r in x])
-            slow = torch.stack([ffn.decode_py(r) for r in x])
-        torch.testing.assert_close(fast, slow, atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
+            ref = torch.stack([ffn.reference_token(r) for r in x])
+        _close(fast, ref, "q8")
 
 
 @needs_c
 def test_gate_up_fused_views_and_their_checks():
     """SparseFFN keeps its permuted gate and up as row views of one weight (no second copy); the
-    dense gate+up pass is dropped (same result) once a part is replaced, and the C step refuses
-    parts that are not adjacent rows of one buffer."""
+    dense gate+up pass is dropped (same result) once a part is replaced, and the plan check
+    refuses parts that are not adjacent rows of one buffer."""
+    from sparseinfer.kernels import decode_plan
+
     mlp = _mlp("silu", True, False, fmt="q4")
     n, d = mlp.n_neurons, mlp.down.out_features
     ffn = SparseFFN(mlp, 0.1, torch.randperm(n, generator=torch.Generator().manual_seed(0)))
@@ -238,13 +251,12 @@ def test_gate_up_fused_views_and_their_checks():
         ffn.up = from_float(ffn.up.dequantize(), "q4")  # replaced: no longer the fused weight's view
         assert not ffn._dense_gate_up
         apart = torch.stack([ffn.decode(r) for r in x])
-        static = list(ffn.decode_args(None)[2])
     torch.testing.assert_close(fused, apart, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
-    static[3] |= 2  # claim a fused gate+up that is not there
-    y = torch.empty(d)
-    with pytest.raises(ValueError, match="not one fused weight"):
-        cpu._cpu.decode_sparse_mlp(x[0].contiguous().data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, *static)
+    with pytest.raises(ValueError, match="not one fused weight"):  # claim a fused gate+up that is not there
+        decode_plan.sparse_ffn_step(act="silu", relu_up=False, first=ffn.gate, second=ffn.up, down_t=ffn.down_t,
+                                    down=ffn.down.weight, order=ffn.order, threshold=0.1, crossover=1.0,
+                                    up_crossover=1.0, gate_up_fused=True)
 
 
 @pytest.mark.parametrize("fmt,bias", [("f32", False), ("q4", False), ("q8", True)])
@@ -305,10 +317,12 @@ def test_expected_density_picks_the_dense_gate_up_pass():
 @pytest.mark.parametrize("rows", ["predictor", "top-k", "bank"])
 def test_neuron_records(act, gated, bias, fmt, rows):
     """Low-density layers keep each neuron's first, up and down_t rows (scales included) in one
-    contiguous record; the C step's one pass over the records == `decode_py` (same counters),
-    == the staged C step without records (up and down on the kept rows), is close to the slow reference, and is
+    contiguous record; the C step's one pass over the records == the staged C step without
+    records (up and down on the kept rows, same counters), is close to the one-token reference, and is
     bit-identical across thread counts.  A records flag on weights that are not records is
     refused."""
+    from sparseinfer.kernels import decode_plan
+
     mlp = _mlp(act, gated, bias, fmt=fmt, n=300)
     n, d = mlp.n_neurons, mlp.down.out_features
     s = random_predictor(d, n, 0.0)
@@ -333,14 +347,13 @@ def test_neuron_records(act, gated, bias, fmt, rows):
                 assert 0 <= off and off + t.shape[1] * t.element_size() <= stride
     x = torch.randn(6, d, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        assert ffn.decode_args(None)[2][3] & 4 and not plain.decode_args(None)[2][3] & 4
+        assert ffn.step(None).plan.flags & 4 and not plain.step(None).plan.flags & 4
         fast = torch.stack([ffn.decode(r) for r in x])
         fast_stats = _stats(ffn)
-        ffn.stats.reset()
         ffn._row_next[0] = 0
-        slow = torch.stack([ffn.decode_py(r) for r in x])
-        slow_stats = _stats(ffn)
+        slow = torch.stack([ffn.reference_token(r) for r in x])
         staged = torch.stack([plain.decode(r) for r in x])
+        staged_stats = _stats(plain)
         nt = cpu.get_num_threads()
         try:
             cpu.set_num_threads(1)
@@ -348,19 +361,17 @@ def test_neuron_records(act, gated, bias, fmt, rows):
             one = torch.stack([ffn.decode(r) for r in x])
         finally:
             cpu.set_num_threads(nt)
-        static = list(plain.decode_args(None)[2])
     assert torch.equal(one, fast)
-    assert fast_stats == slow_stats and fast_stats[0] == 6
-    tol = dict(atol=1e-5 * slow.abs().max().item(), rtol=1e-5)
-    torch.testing.assert_close(fast, slow, **tol)
-    torch.testing.assert_close(fast, staged, **tol)
+    assert fast_stats[0] == staged_stats[0] == 6 and fast_stats[2] == staged_stats[2]
+    torch.testing.assert_close(fast, staged, atol=1e-5 * staged.abs().max().item(), rtol=1e-5)
+    _close(fast, slow, fmt)
     if rows == "predictor":
         ref = ffn.reference(x)
         torch.testing.assert_close(fast, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
-    static[3] |= 4  # records claimed for separate weights
-    y = torch.empty(d)
-    with pytest.raises(ValueError, match="not neuron records"):
-        cpu._cpu.decode_sparse_mlp(x[0].contiguous().data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, *static)
+    with pytest.raises(ValueError, match="not neuron records"):  # records claimed for separate weights
+        decode_plan.sparse_ffn_step(act=plain.kernel_act, relu_up=act == "drelu", first=plain.first,
+                                    second=plain.up if gated else None, down_t=plain.down_t, down=plain.down.weight,
+                                    order=plain.order, threshold=0.1, crossover=1.0, up_crossover=1.0, records=True)
 
 
 def test_records_follow_the_expected_density():
@@ -393,25 +404,34 @@ def test_blocks_decode_sparse_ffns_in_c(kind, density, tmp_path, tokens, monkeyp
         m.setattr(cpu, "_cpu", Wrapped())
         fast = stepwise(model, tokens, 3)
     decoded = (tokens.shape[1] - 3) * len(model.layers)
-    assert calls.count("decode_attn") == decoded and calls.count("decode_sparse_mlp") == decoded
+    assert calls.count("decode_attn") == decoded and calls.count("decode_ffn") == decoded
     with monkeypatch.context() as m, torch.inference_mode():
-        m.setattr(SparseFFN, "decode_args", lambda *a: None)
+        m.setattr(SparseFFN, "step", lambda *a: None)  # the FFN as a module: its one-token reference
+        for ffn in sparse_ffns(model):
+            ffn._row_next[0] = 0
         slow = stepwise(model, tokens, 3)
     torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
 
 
 @needs_c
 def test_c_decode_step_rejects_bad_arguments():
+    from sparseinfer.kernels import decode_plan
+
     mlp = _mlp("silu", True, False)
     ffn = SparseFFN(mlp, 0.1, None, None)
     with torch.inference_mode():
-        norm_ptr, eps, static = ffn.decode_args(None)
+        step = ffn.step(None)
     x, y = torch.randn(40), torch.empty(40)
-    bad_rows = torch.tensor([0, 96], dtype=torch.int32)
     with pytest.raises(ValueError, match="out of range"):
-        cpu._cpu.decode_sparse_mlp(x.data_ptr(), y.data_ptr(), 0, 0.0, bad_rows.data_ptr(), 2, *static)
-    with pytest.raises(ValueError, match="inconsistent shapes"):
-        cpu._cpu.decode_sparse_mlp(x.data_ptr(), y.data_ptr(), 0, 0.0, 0, -1, 41, *static[1:])
+        step.run(x, y, torch.tensor([0, 96], dtype=torch.int32))
+    with pytest.raises(ValueError, match="wrong shape"):
+        decode_plan.sparse_ffn_step(act="silu", relu_up=False, first=ffn.gate, second=ffn.up, down_t=ffn.down_t,
+                                    down=mlp.gate.weight, order=ffn.order, threshold=0.1, crossover=1.0,
+                                    up_crossover=1.0)
+    with pytest.raises(ValueError, match="neuron order"):
+        decode_plan.sparse_ffn_step(act="silu", relu_up=False, first=ffn.gate, second=ffn.up, down_t=ffn.down_t,
+                                    down=ffn.down.weight, order=ffn.order + 1, threshold=0.1, crossover=1.0,
+                                    up_crossover=1.0)
 
 
 # ---------------------------------------------------------------------------- forced density

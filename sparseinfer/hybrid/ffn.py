@@ -117,7 +117,7 @@ class HybridFFN(nn.Module):
         self.hot, self.cold, self.act, self.act_name = hot, cold, act, act_name
         self.accel, self.home = torch.device(accel), torch.device(home)
         self.threshold, self.predictor, self.mode = float(threshold), predictor, mode
-        self.on_device_predictor = predictor is not None and predictor.device.type != "cpu"
+        self.on_device_predictor = predictor is not None and predictor.torch_ops
         self.worker = worker or CpuWorker()
         self.n_hot = 0 if hot is None else hot.n
         self.n_neurons = self.n_hot + (0 if cold is None else cold.n)
@@ -147,7 +147,7 @@ class HybridFFN(nn.Module):
         cold = part.rows(n_hot, n, "cpu") if n_hot < n else None
         pred = ffn.predictor
         if pred is not None and predictor_on_device:
-            pred = pred.to(accel)
+            pred = pred.to(accel, torch_ops=True)
         return cls(hot, cold, ffn.act, ffn.act_name, accel, home, ffn.threshold, ffn.down.bias, pred, ffn.mode, worker)
 
     # `SparseFFN`-compatible attributes for the sparse package's helpers (stats, modes)

@@ -86,7 +86,7 @@ def set_mode(model: nn.Module, mode: str) -> None:
 
 def reset_stats(model: nn.Module) -> None:
     for ffn in sparse_ffns(model):
-        ffn.stats.reset()
+        ffn.reset_stats()
 
 
 def decode_stats(model: nn.Module) -> dict:

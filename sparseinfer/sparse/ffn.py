@@ -395,7 +395,10 @@ class SparseFFN(nn.Module):
             rows = self._forced_rows(x)
         elif self.predictor is not None:
             p = self.predictor
-            rows = ref.predict_rows(x.float(), p.w1, p.b1, p.w2t, p.cut, self._k() if self.density is not None else 0)
+            # the predictor's first product through the kernels the C step uses on the CPU, so a
+            # score at the cut decides the same way in both
+            rows = ref.predict_rows(x.float(), p.w1, p.b1, p.w2t, p.cut, self._k() if self.density is not None else 0,
+                                    matvec=cpu.gemv if x.is_cpu else None)
         else:
             rows = None
         y = ref.sparse_ffn_token(x.float(), self.first, self.up if self.gate is not None else None, self.down_t,
@@ -484,8 +487,8 @@ class SparseFFN(nn.Module):
     def _build_step(self, norm: nn.Module | None) -> FFNStep | None:
         if self._mode not in ("predict", "oracle") or self.observer is not None or not decode_plan.available():
             return None
-        if norm is not None and type(norm) is not RMSNorm:
-            return None
+        if norm is not None and (type(norm) is not RMSNorm or self._mode == "oracle"):
+            return None  # (oracle rows come from the normed input: `decode` passes them)
         p = self.predictor
         if not decode_plan.on_cpu(self.first, self.up, self.down.weight, self.first_bias, self.up_bias, self.down.bias,
                                   None if norm is None else norm.weight, *(() if p is None else (p.w1, p.w2t))):

@@ -59,15 +59,18 @@ class QPredictor:
         self.cut = (self.tau - self.b2).contiguous()  # logit > tau  <=>  W2 z > tau - b2
         self._cut_np = self.cut.numpy()
         self._nbytes: int | None = None
+        self.torch_ops = False  # batches through torch ops (an accelerator) instead of our kernels
 
     @property
     def device(self) -> torch.device:
         return self.w1.qs.device
 
-    def to(self, device: torch.device | str) -> "QPredictor":
-        """A copy with its weights on `device` (an accelerator runs it with torch ops, same
-        values and decision rule)."""
+    def to(self, device: torch.device | str, torch_ops: bool | None = None) -> "QPredictor":
+        """A copy with its weights on `device`, run with torch ops there (`torch_ops`, default:
+        off the CPU; True on the CPU makes it a stand-in for an accelerator): same values and
+        decision rule."""
         out = copy.copy(self)
+        out.torch_ops = torch.device(device).type != "cpu" if torch_ops is None else torch_ops
         out.w1, out.w2t = self.w1.to(device), self.w2t.to(device)
         out.b1, out.b2, out.cut = self.b1.to(device), self.b2.to(device), self.cut.to(device)
         out._hidden_ids = self._hidden_ids.to(device)
@@ -118,7 +121,7 @@ class QPredictor:
         """Logits (M, n) for inputs (M, d) on the predictor's device, through `matmul`
         (chunks, perplexity, an accelerator's tokens)."""
         x2 = x2.float().contiguous()
-        if x2.is_cpu:  # our kernels at every size: decisions must match the C decode step's
+        if not self.torch_ops:  # our kernels at every size: decisions must match the C decode step's
             z = cpu.matmul(self.w1, x2)
             return z.add_(self.b1).relu_() @ self.w2t.dequantize() + self.b2
         z = torch_device.matmul(self.w1, x2)
