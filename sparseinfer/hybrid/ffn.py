@@ -28,6 +28,7 @@ from ..kernels import cpu, decode_plan
 from ..kernels import reference as ref
 from ..kernels import torch_device as dev
 from ..kernels.reference import canonical_activation
+from ..models.layers import Module
 from ..quant import QWeight
 from ..sparse.ffn import MODES, DecodeStats, SparseFFN
 
@@ -103,7 +104,7 @@ def _done(value) -> Future:
     return f
 
 
-class HybridFFN(nn.Module):
+class HybridFFN(Module):
     """Drop-in for `MLP`/`SparseFFN`: hot neurons on `accel`, cold ones on the CPU.
 
     hot: neurons [0, n_hot) on `accel` (None when n_hot = 0); cold: the rest on the CPU (None

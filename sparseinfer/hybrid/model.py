@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from ..errors import SparseInferError
+from ..kernels import decode_plan
 from ..kv_cache import KVCache, LayerKV
 from ..models.base import CausalLM
-from ..models.layers import MLP, Linear, Rotary
+from ..models.layers import MLP, Linear, Module, Rotary
 from ..quant import QWeight
 from ..sparse.apply import ffn_slots
 from ..sparse.ffn import SparseFFN
@@ -168,7 +169,7 @@ class HybridCausalLM(CausalLM):
 
 
 # ------------------------------------------------------------------------------- moving parts
-class DeviceLinear(nn.Module):
+class DeviceLinear(Module):
     """`Linear` for a weight that lives on an accelerator (or torch-CPU standing in for one)."""
 
     def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
@@ -202,7 +203,7 @@ class DeviceLinear(nn.Module):
 def move_module(m: nn.Module, device: torch.device) -> nn.Module:
     """Move every tensor of a module tree to `device`; `Linear`s become `DeviceLinear`s.
     Norm weights and biases become float32 (they are computed in float32 anyway)."""
-    m.__dict__.pop("_step", None)  # a C decode step built from the CPU weights
+    decode_plan.drop_step(m)  # a C decode step built from the CPU weights
     if isinstance(m, Linear):
         return DeviceLinear.moved(m, device)
     for name, child in list(m.named_children()):

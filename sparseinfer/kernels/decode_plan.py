@@ -52,14 +52,46 @@ class _NoCopy:
         return _stale, ()
 
 
-def cached_step(module, key: tuple, build):
-    """The decode step of `module`, kept in its `_step` slot and built by `build()` again when an
-    object in `key` (what it is built from: norm, weights, biases) is not the same one any more,
-    or when it is a copy's `STALE` step."""
+# Bumped by every attribute assignment on a model's modules (`models.layers.Module`): while it
+# is unchanged no step's inputs can have been replaced, so `cached_step` needs no key check.
+_generation = [0]
+
+
+def modules_changed() -> None:
+    """Note that some module's attributes changed: the next `cached_step` checks its key."""
+    _generation[0] += 1
+
+
+def cached_step(module, key_fn, build, *args):
+    """The decode step of `module`, kept in its `_step` slot: built by `build()` again when an
+    object in `args` (the step method's arguments, compared on every call) or in `key_fn()`
+    (what it is built from: weights, biases, sub-modules) is not the same one any more, or when
+    it is a copy's `STALE` step.  `key_fn` only runs after some module changed
+    (`modules_changed`), so a token's steps cost one lookup each."""
     got = module.__dict__.get("_step")
-    if got is None or got[1] is STALE or len(got[0]) != len(key) or not all(map(operator.is_, got[0], key)):
-        got = module.__dict__["_step"] = (key, build())
-    return got[1]
+    gen = _generation[0]
+    if got is not None and got[0] == gen and got[2] is not STALE and all(map(operator.is_, got[1], args)):
+        return got[2]
+    key = (*args, *key_fn())
+    if got is None or got[2] is STALE or len(got[1]) != len(key) or not all(map(operator.is_, got[1], key)):
+        step = build()
+    else:
+        step = got[2]
+    module.__dict__["_step"] = (gen, key, step)
+    return step
+
+
+def built_step(module):
+    """The step `cached_step` last built for `module` (None if none, or a copy's `STALE`)."""
+    got = module.__dict__.get("_step")
+    return None if got is None or got[2] is STALE else got[2]
+
+
+def drop_step(module):
+    """Forget `module`'s step (the next `cached_step` builds it); returns what `built_step` did."""
+    got = built_step(module)
+    module.__dict__.pop("_step", None)
+    return got
 
 
 def available() -> bool:
@@ -120,6 +152,15 @@ class AttnStep(_NoCopy):
         cpu._cpu.decode_attn(self.addr, x.data_ptr(), xo.data_ptr(), 0 if cos is None else cos.data_ptr(),
                              0 if sin is None else sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), stride,
                              stride, pos)
+
+
+class BlockSteps(_NoCopy):
+    """A block's steps for one token: `attn`, then `ffn` (None where the FFN runs as a module)."""
+
+    __slots__ = ("attn", "ffn")
+
+    def __init__(self, attn: AttnStep, ffn: "FFNStep | None"):
+        self.attn, self.ffn = attn, ffn
 
 
 class FFNStep(_NoCopy):

@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels import decode_plan
 from ..kv_cache import KVCache
 from ..quant import QWeight
-from .layers import Linear
+from .layers import Linear, Module
 
 
 class Embedding(nn.Module):
@@ -23,7 +24,7 @@ class Embedding(nn.Module):
         return rows.view(*tokens.shape, -1)
 
 
-class CausalLM(nn.Module):
+class CausalLM(Module):
     """tokens -> logits. Family files supply the blocks; every block takes (x, positions, layer_kv)."""
 
     def __init__(self, config: ModelConfig, embed: Embedding, layers: list[nn.Module], norm: nn.Module,
@@ -75,7 +76,7 @@ class CausalLM(nn.Module):
                 continue
             if buf is None:
                 buf = x.reshape(-1).to("cpu", torch.float32).clone()
-            attn, ffn = steps
+            attn, ffn = steps.attn, steps.ffn
             if buf.numel() != attn.n or (ffn is not None and ffn.n != attn.n):
                 raise ValueError(f"layer {i} is {attn.n} wide, its input {buf.numel()}: the model file is inconsistent")
             layer.attn.run_step(attn, buf, positions, kv)
@@ -93,4 +94,4 @@ class CausalLM(nn.Module):
         """Forget every module's C decode step; the next decode builds them from the current
         weights (after moving or replacing modules)."""
         for m in self.modules():
-            m.__dict__.pop("_step", None)
+            decode_plan.drop_step(m)

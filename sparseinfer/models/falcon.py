@@ -10,10 +10,10 @@ from ..errors import UnsupportedError
 from ..io.weights import WeightSource
 from ..quant import QWeight
 from .base import CausalLM, Embedding
-from .layers import MLP, Attention, LayerNorm, Linear, Rotary
+from .layers import MLP, Attention, LayerNorm, Linear, Module, Rotary
 
 
-class Block(nn.Module):
+class Block(Module):
     def __init__(self, attn: Attention, mlp: MLP, ln_attn: LayerNorm, ln_mlp: LayerNorm | None):
         super().__init__()
         self.attn, self.mlp, self.ln_attn, self.ln_mlp = attn, mlp, ln_attn, ln_mlp

@@ -18,7 +18,22 @@ from ..kv_cache import LayerKV
 from ..quant import QWeight
 
 
-class Linear(nn.Module):
+class Module(nn.Module):
+    """An nn.Module whose attribute assignments (a replaced weight, norm or sub-module) make the
+    C decode steps check what they were built from (`kernels.decode_plan.cached_step`).  Layers
+    a decode step is built from derive from it; modules that set attributes while they compute
+    (e.g. `Rotary`'s table) must not."""
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        decode_plan.modules_changed()
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        decode_plan.modules_changed()
+
+
+class Linear(Module):
     """y = x W^T (+ b) with W in any `QWeight` format; a drop-in for nn.Linear at inference."""
 
     def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
@@ -97,7 +112,7 @@ def fuse_linears(*linears: Linear) -> _Fused | None:
     return _Fused(fused, bias)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.weight, self.eps = weight.float(), eps
@@ -108,7 +123,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
         super().__init__()
         self.weight = weight.float()
@@ -127,7 +142,7 @@ def activation(name: str):
         raise UnsupportedError(str(e)) from None
 
 
-class MLP(nn.Module):
+class MLP(Module):
     """Dense feed-forward block, the readable reference that `SparseFFN` replaces.
 
     Gated (llama): down(act(gate x) * up x); `drelu` (Bamboo/TurboSparse): down(relu(gate x) * relu(up x)).
@@ -172,9 +187,10 @@ class MLP(nn.Module):
         """The C decode step of ``x + self(norm(x))`` for one token (`kernels.decode_plan`),
         built on first use; None where it does not apply (a norm other than RMSNorm, weights
         off the CPU, no compiled kernels): the block then runs this module."""
-        parts = [x for x in (self.gate, self.up, self.down) if x is not None]
-        key = (norm, norm.weight, *(x.weight for x in parts), *(x.bias for x in parts))
-        return decode_plan.cached_step(self, key, lambda: self._build_step(norm))
+        def key():
+            parts = [x for x in (self.gate, self.up, self.down) if x is not None]
+            return (norm.weight, *(x.weight for x in parts), *(x.bias for x in parts))
+        return decode_plan.cached_step(self, key, lambda: self._build_step(norm), norm)
 
     def _build_step(self, norm: nn.Module) -> decode_plan.FFNStep | None:
         g, u, d = self.gate, self.up, self.down
@@ -254,7 +270,7 @@ def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-class Attention(nn.Module):
+class Attention(Module):
     """Multi-head attention with grouped/multi-query KV heads and an explicit per-layer cache."""
 
     def __init__(self, q: Linear, k: Linear, v: Linear, o: Linear, n_heads: int, n_kv_heads: int,
@@ -291,9 +307,10 @@ class Attention(nn.Module):
         """The C decode step of ``x + self(norm(x), positions, cache)`` for one token
         (`kernels.decode_plan`), built on first use; None where it does not apply (a norm other
         than RMSNorm, weights off the CPU, no compiled kernels): the block then runs this module."""
-        lins = (self.q, self.k, self.v, self.o)
-        key = (norm, norm.weight, self.rotary, *lins, *(x.weight for x in lins), *(x.bias for x in lins))
-        return decode_plan.cached_step(self, key, lambda: self._build_step(norm))
+        def key():
+            lins = (self.q, self.k, self.v, self.o)
+            return (norm.weight, self.rotary, *lins, *(x.weight for x in lins), *(x.bias for x in lins))
+        return decode_plan.cached_step(self, key, lambda: self._build_step(norm), norm)
 
     def _build_step(self, norm: nn.Module) -> decode_plan.AttnStep | None:
         lins = (self.q, self.k, self.v, self.o)

@@ -5,11 +5,12 @@ import torch
 from torch import nn
 
 from ..io.weights import WeightSource
+from ..kernels import decode_plan
 from .base import CausalLM, Embedding
-from .layers import MLP, Attention, Linear, RMSNorm, Rotary
+from .layers import MLP, Attention, Linear, Module, RMSNorm, Rotary
 
 
-class Block(nn.Module):
+class Block(Module):
     def __init__(self, attn: Attention, mlp: MLP, attn_norm: RMSNorm, ffn_norm: RMSNorm):
         super().__init__()
         self.attn, self.mlp, self.attn_norm, self.ffn_norm = attn, mlp, attn_norm, ffn_norm
@@ -18,15 +19,19 @@ class Block(nn.Module):
         h = x + self.attn(self.attn_norm(x), positions, kv)
         return h + self.mlp(self.ffn_norm(h))
 
-    def steps(self):
-        """(attention step, FFN step) of the C decode plan for one token (`kernels.decode_plan`);
-        the FFN step is None where the FFN runs as a module (e.g. split across devices); None
-        where the attention has no C step (the block then runs as modules)."""
-        a = self.attn.step(self.attn_norm)
-        if a is None:
-            return None
+    def steps(self) -> decode_plan.BlockSteps | None:
+        """The C decode steps of one token (`kernels.decode_plan`): attention, then FFN (None
+        where the FFN runs as a module, e.g. split across devices); None where the attention has
+        no C step (the block then runs as modules)."""
+        return decode_plan.cached_step(self, self._part_steps, self._build_steps)
+
+    def _part_steps(self):
         step = getattr(self.mlp, "step", None)  # MLP, SparseFFN
-        return a, None if step is None else step(self.ffn_norm)
+        return self.attn.step(self.attn_norm), None if step is None else step(self.ffn_norm)
+
+    def _build_steps(self):
+        a, f = self._part_steps()
+        return None if a is None else decode_plan.BlockSteps(a, f)
 
 
 def linear(src: WeightSource, prefix: str) -> Linear:

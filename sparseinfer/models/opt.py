@@ -6,7 +6,7 @@ from torch import nn
 
 from ..io.weights import WeightSource
 from .base import CausalLM, Embedding
-from .layers import MLP, Attention, LayerNorm, Linear
+from .layers import MLP, Attention, LayerNorm, Linear, Module
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -20,7 +20,7 @@ class Positions(nn.Module):
         return self.table[positions + POSITION_OFFSET]
 
 
-class Block(nn.Module):
+class Block(Module):
     def __init__(self, attn: Attention, mlp: MLP, ln_attn: LayerNorm, ln_ffn: LayerNorm, pre_norm: bool):
         super().__init__()
         self.attn, self.mlp, self.ln_attn, self.ln_ffn, self.pre_norm = attn, mlp, ln_attn, ln_ffn, pre_norm

@@ -53,7 +53,7 @@ from ..kernels import cpu, decode_plan
 from ..kernels import reference as ref
 from ..kernels.decode_plan import FFNStep
 from ..kernels.reference import canonical_activation
-from ..models.layers import MLP, Linear, RMSNorm, fuse_weights
+from ..models.layers import MLP, Linear, Module, RMSNorm, fuse_weights
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 
 MODES = ("predict", "faithful", "threshold", "oracle")
@@ -118,7 +118,7 @@ _STEP_INPUTS = frozenset({"_threshold", "_mode", "density", "predictor", "dense_
                           "observer", "gate", "up", "_down_t", "down", "gate_bias", "up_bias", "_records", "_gate_up"})
 
 
-class SparseFFN(nn.Module):
+class SparseFFN(Module):
     """Activation-sparse FFN with the `MLP` call signature (see the module docstring)."""
 
     def __init__(self, mlp: MLP, threshold: float = 0.0, order: torch.Tensor | None = None,
@@ -202,16 +202,16 @@ class SparseFFN(nn.Module):
     def stats(self) -> DecodeStats:
         """Counters of the single-token path (the C step's, translated into rows and bytes)."""
         st = DecodeStats(**vars(self._stats))
-        step = self.__dict__.get("_step")
-        if step is not None and isinstance(step[1], FFNStep):
-            self._add_counters(st, step[1].stats)
+        step = decode_plan.built_step(self)
+        if isinstance(step, FFNStep):
+            self._add_counters(st, step.stats)
         return st
 
     def reset_stats(self) -> None:
         self._stats.reset()
-        step = self.__dict__.get("_step")
-        if step is not None and isinstance(step[1], FFNStep):
-            step[1].reset_stats()
+        step = decode_plan.built_step(self)
+        if isinstance(step, FFNStep):
+            step.reset_stats()
 
     def _add_counters(self, st: DecodeStats, c) -> None:
         """Add the C step's counters `c` (`cstructs.FFNStats`) to `st` as rows and bytes read."""
@@ -479,12 +479,12 @@ class SparseFFN(nn.Module):
         or ``x + self(norm(x))`` (norm an RMSNorm), built on first use and rebuilt after a
         setting changes; None where it does not apply (another mode or norm, a calibration
         observer, weights off the CPU, no compiled kernels)."""
-        got = self.__dict__.get("_step")
-        if got is not None and got[0][0] is not norm and isinstance(got[1], FFNStep):  # keep its counters
-            self._add_counters(self._stats, got[1].stats)
-        return decode_plan.cached_step(self, (norm,), lambda: self._build_step(norm))
+        return decode_plan.cached_step(self, tuple, lambda: self._build_step(norm), norm)
 
     def _build_step(self, norm: nn.Module | None) -> FFNStep | None:
+        old = decode_plan.built_step(self)
+        if isinstance(old, FFNStep):  # rebuilt (e.g. for another norm): keep its counters
+            self._add_counters(self._stats, old.stats)
         if self._mode not in ("predict", "oracle") or self.observer is not None or not decode_plan.available():
             return None
         if norm is not None and (type(norm) is not RMSNorm or self._mode == "oracle"):
@@ -509,9 +509,9 @@ class SparseFFN(nn.Module):
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
         if name in _STEP_INPUTS and "_step" in self.__dict__:  # the C step was built from the old value
-            got = self.__dict__.pop("_step")
-            if isinstance(got[1], FFNStep):
-                self._add_counters(self._stats, got[1].stats)
+            got = decode_plan.drop_step(self)
+            if isinstance(got, FFNStep):
+                self._add_counters(self._stats, got.stats)
 
 
     # ------------------------------------------------------------------ reference
