@@ -29,7 +29,7 @@ from sparseinfer.sparse.pack import SparsityPack
 
 
 def threshold_samples(llm, tokens: int = 2048):
-    cs = cal.calibration_set(llm.tokenizer, None, tokens, 256, 512, 512)
+    cs = cal.calibration_set(llm.tokenizer, str(repo_data(flag="--data")), tokens, 256, 512, 512)
     ffns = sparse_ffns(llm.model)
     rec = cal.Recorder(ffns, sample_per_call=50_000)
     cal.forward_batches(llm.model, cs.seqs, 8, "threshold quantiles")

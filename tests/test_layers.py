@@ -28,21 +28,16 @@ RANK = {
     "engine": 5, "server": 5, "bench": 5, "perplexity": 5, "describe": 5, "": 5,  # "": the package root
     "generate": 4, "hybrid": 4, "sparse": 4,
     "models": 3,
-    "kernels": 2, "_cpu": 2,
+    "kernels": 2,
     "io": 1, "config": 1, "quant": 1, "kv_cache": 1, "errors": 1, "catalog": 1,
+    "_cpu": 0,  # the compiled core (sparseinfer/csrc): it imports nothing of the package
 }
 ENTRY_POINT = 7
 EXTENSIONS = {"sparseinfer._cpu"}  # compiled (sparseinfer/csrc); may be unbuilt
 
 # (importer, imported) pairs that break the order today, allowed for now.  Each has an xfail
 # test below that passes (XPASS) once the import is gone: then delete the entry.
-# (models.layers -> hybrid.device_ops, the one known when this test was written, was removed in
-# 804aa4c: device ops moved to kernels/torch_device.)
-KNOWN = {
-    # found by this test, not part of that work: the compiled Q4_K/Q6_K repack at load reaches
-    # up from io into kernels.cpu (it needs only the extension, sparseinfer._cpu)
-    ("sparseinfer.io.gguf", "sparseinfer.kernels.cpu"): "io reaches up into kernels.cpu (to fix)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:

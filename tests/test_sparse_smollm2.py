@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pack(smollm2_path, shared_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("pack") / "smollm2.sparse"
-    opts = PrepareOptions(tokens=2048, steps=150, sizes=(32, 64), target_sparsity=0.4, output=str(out),
+    opts = PrepareOptions(data=str(shared_data), tokens=2048, steps=150, sizes=(32, 64), target_sparsity=0.4, output=str(out),
                           plot=False, evaluate=False, progress=False, eval_tokens=512)
     llm = sparseinfer.load(smollm2_path, threads=2, dense=True)
     return make_pack(llm.model, llm.source, llm.tokenizer, llm.info.path, opts)

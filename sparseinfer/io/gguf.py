@@ -301,10 +301,12 @@ def _repack_c(tname: str, raw: np.ndarray, rows: int, cols: int):
     None for other types or when the extension is not built (the numpy converters then do it)."""
     import torch
 
-    from ..kernels import cpu
     from ..quant import QWeight
 
-    lib = cpu._cpu
+    try:  # the compiled core itself: io sits below the kernels' Python wrappers
+        from .. import _cpu as lib
+    except ImportError:
+        lib = None
     if lib is None or raw.dtype != np.uint8 or raw.shape[-1] != _C_REPACK.get(tname):
         return None
     src = np.ascontiguousarray(raw)

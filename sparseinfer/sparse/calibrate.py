@@ -20,8 +20,8 @@ from tqdm import tqdm
 from ..errors import SparseInferError
 from .predictor import pack_bits
 
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-# The default mix: WikiText-2 test's last quarter (perplexity runs with a limited number of
+# The mix used for a folder that holds these files (the project's shared/data, which the CLI
+# passes by default): WikiText-2 test's last quarter (perplexity runs with a limited number of
 # chunks score its beginning, so they stay disjoint), Shakespeare, and Dolly chat prompts.
 DEFAULT_MIX = (("wikitext-2-raw/wiki.test.raw", 0.75, 1.0, 0.5),
                ("tinyshakespeare.txt", 0.0, 0.3, 0.25),
@@ -47,16 +47,17 @@ def _read_text(path: Path) -> str:
 
 
 def _sources(data: str | Path | None) -> list[tuple[str, str, float]]:
-    """[(description, text, share of tokens)]."""
+    """[(description, text, share of tokens)]: a file, a folder of text files (equal shares),
+    or a folder holding every file of `DEFAULT_MIX` (that mix)."""
     if data is None:
-        if not DEFAULT_DATA.is_dir():
-            raise SparseInferError(f"default calibration data {DEFAULT_DATA} not found; pass --data FILE")
+        raise SparseInferError("no calibration text: pass a text/.jsonl file or a folder of them (--data)")
+    p = Path(data)
+    if p.is_dir() and all((p / rel).is_file() for rel, *_ in DEFAULT_MIX):
         out = []
         for rel, a, b, share in DEFAULT_MIX:
-            text = _read_text(DEFAULT_DATA / rel)
+            text = _read_text(p / rel)
             out.append((f"{rel}[{a:.0%}:{b:.0%}]", text[int(a * len(text)): int(b * len(text))], share))
         return out
-    p = Path(data)
     files = sorted(f for f in p.iterdir() if f.suffix in (".txt", ".raw", ".jsonl")) if p.is_dir() else [p]
     if not files or not all(f.is_file() for f in files):
         raise SparseInferError(f"calibration data {p} not found (a text/.jsonl file or a folder of them)")
@@ -75,7 +76,7 @@ def _cut(ids: list[int], seq_len: int, n: int, bos: int | None) -> list[list[int
 
 def calibration_set(tokenizer, data=None, n_tokens: int = 8192, seq_len: int = 256,
                     eval_tokens: int = 2048, eval_len: int = 512, seed: int = 0) -> CalibrationSet:
-    """Token sequences from `data` (default: the mix in `DEFAULT_MIX`); the eval slice comes from
+    """Token sequences from `data` (a file or folder, see `_sources`); the eval slice comes from
     the first source, after the tokens used for calibration."""
     bos = tokenizer.bos_id if getattr(tokenizer, "add_bos", False) else None
     seqs, desc, ev = [], [], []

@@ -33,7 +33,7 @@ RELU_ACTS = ("relu", "drelu")
 
 @dataclass
 class PrepareOptions:
-    data: str | None = None                 # calibration text: a file or folder; None: calibrate's default mix
+    data: str | None = None                 # calibration text: a file or folder (see calibrate._sources)
     target_sparsity: float | None = None    # gated models: fixed per-layer sparsity
     max_ppl_increase: float | None = None   # gated models: search the sparsity (default 0.03)
     allocation: str = "uniform"             # per-layer sparsity: "uniform" or "error" (equal output-error share)
