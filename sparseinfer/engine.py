@@ -210,7 +210,7 @@ def set_act_mode(mode: str, model: torch.nn.Module | None = None) -> str:
     "precise": a second int8 term for the rounding residual (KL < 1e-5, ~10-25% slower
     decode); "auto": $SPARSEINFER_ACT_MODE when set, else "precise" for models under
     AUTO_PRECISE_MAX_BYTES of weights and "int8" above."""
-    from .hybrid.plan import model_bytes
+    from .quant import qweight_nbytes
     from .kernels import cpu
 
     _check_act_mode(mode)
@@ -221,7 +221,7 @@ def set_act_mode(mode: str, model: torch.nn.Module | None = None) -> str:
                 raise SparseInferError(f"SPARSEINFER_ACT_MODE must be int8 or precise (got {env!r})")
             mode = env
         else:
-            small = model is not None and model_bytes(model) < AUTO_PRECISE_MAX_BYTES
+            small = model is not None and qweight_nbytes(model) < AUTO_PRECISE_MAX_BYTES
             mode = "precise" if small else "int8"
     cpu.set_activation_mode(mode)
     return mode

@@ -29,6 +29,7 @@ so a kernel that skips an inactive neuron skips its bytes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,22 @@ class QWeight:
     def to(self, device) -> "QWeight":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QWeight(self.fmt, self.rows, self.cols, mv(self.qs), mv(self.d), mv(self.m))
+
+
+def qweights(module) -> Iterator[QWeight]:
+    """Every distinct `QWeight` held by a torch module tree (tied or viewed weights, which
+    share their `qs` storage tensor, once)."""
+    seen = set()
+    for m in module.modules():
+        for v in vars(m).values():
+            if isinstance(v, QWeight) and id(v.qs) not in seen:
+                seen.add(id(v.qs))
+                yield v
+
+
+def qweight_nbytes(module) -> int:
+    """The weight bytes of a module tree as loaded: each distinct `QWeight` once."""
+    return sum(w.nbytes for w in qweights(module))
 
 
 def from_float(w: torch.Tensor, fmt: str) -> QWeight:

@@ -81,10 +81,11 @@ def run(a: argparse.Namespace) -> int:
     import torch
 
     from ..hybrid import format_bytes
-    from ..hybrid.plan import model_bytes, placement_table
+    from ..hybrid.plan import placement_table
+    from ..quant import qweight_nbytes
 
     path, _, model, _ = build_from_args(a, sparse=None)
-    size = model_bytes(model)
+    size = qweight_nbytes(model)
     del model
     a.model = str(path)
     print(f"model: {path} ({format_bytes(size)} of weights); GPU: "

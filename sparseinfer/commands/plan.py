@@ -35,7 +35,8 @@ def add_parser(subparsers):
 
 def run(a: argparse.Namespace) -> int:
     from ..hybrid import NeuronStats, cost_model, format_bytes, parse_vram_budget, plan_for_model
-    from ..hybrid.plan import model_bytes, plot_placement, plot_sweep
+    from ..hybrid.plan import plot_placement, plot_sweep
+    from ..quant import qweight_nbytes
 
     budget = parse_vram_budget(a.vram_budget)
     path, src, model, pack = build_from_args(a, sparse=None if a.offload == "layers" else a.sparse)
@@ -49,7 +50,7 @@ def run(a: argparse.Namespace) -> int:
         mode = "layers"
     p = plan_for_model(model, budget, ctx, "cuda", stats, mode, src.fingerprint(), group_size=a.group_size,
                        solver=a.solver)
-    print(f"model: {path} ({format_bytes(model_bytes(model))} of weights), context {ctx}")
+    print(f"model: {path} ({format_bytes(qweight_nbytes(model))} of weights), context {ctx}")
     print(p.describe())
     if a.json:
         Path(a.json).write_text(p.to_json())

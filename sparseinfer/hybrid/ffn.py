@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..kernels import cpu, decode_plan
 from ..kernels import reference as ref

@@ -11,13 +11,6 @@ from ..errors import SparseInferError
 from .placement import DEFAULT_GROUP, Placement
 
 
-def model_bytes(model) -> int:
-    """Weight bytes of a model as loaded (each tensor once)."""
-    from .costs import module_tensors
-
-    return sum(t.numel() * t.element_size() for t in module_tensors(model))
-
-
 def plot_placement(p: Placement, path: str | Path, title: str = "") -> Path:
     """Per layer: share of FFN neurons and of expected activations on the GPU, where attention
     runs; below, the budget split by kind."""

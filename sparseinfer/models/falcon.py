@@ -4,7 +4,6 @@ Attention and MLP read the same residual stream in parallel; fused qkv is split 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..errors import UnsupportedError
 from ..io.weights import WeightSource

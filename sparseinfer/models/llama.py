@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..io.weights import WeightSource
 from ..kernels import decode_plan

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import SparsityPackError
 from ..models.layers import MLP
-from ..quant import QWeight
+from ..quant import qweights
 from .ffn import SparseFFN
 
 PACK_SUFFIX = ".sparse"
@@ -155,27 +155,20 @@ def perplexity_mode(llm) -> str:
     return "sparse" if ffns[0].density is None else f"density {ffns[0].density:g}"
 
 
-def _qweights(module: nn.Module):
-    for m in module.modules():
-        for v in vars(m).values():
-            if isinstance(v, QWeight):
-                yield v
-
-
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes a dense decode step reads outside the FFNs, dense FFN bytes).  The embedding
     table counts only when the head shares it (a lookup reads one row)."""
     ffn_ids, ffn_bytes = set(), 0
     for p, n in ffn_slots(model):
         down_t = getattr(getattr(p, n), "_down_t", None)
-        for w in _qweights(getattr(p, n)):
+        for w in qweights(getattr(p, n)):
             if id(w.qs) not in ffn_ids:
                 ffn_ids.add(id(w.qs))
                 ffn_bytes += 0 if w is down_t else w.nbytes  # the decode copy is not a dense read
-    head = {id(w.qs) for w in _qweights(model.head)} if hasattr(model, "head") else set()
-    embed = {id(w.qs) for w in _qweights(model.embed)} if hasattr(model, "embed") else set()
+    head = {id(w.qs) for w in qweights(model.head)} if hasattr(model, "head") else set()
+    embed = {id(w.qs) for w in qweights(model.embed)} if hasattr(model, "embed") else set()
     seen, other = set(), 0
-    for w in _qweights(model):
+    for w in qweights(model):
         k = id(w.qs)
         if k in seen or k in ffn_ids or (k in embed and k not in head):
             continue

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SparseInferError
-from ..quant import QWeight
+from ..quant import qweight_nbytes
 from . import calibrate as cal
 from .apply import default_pack_path, replace_ffns, restore, sparse_ffns, sparsify
 from .ffn import SparseFFN
@@ -51,16 +51,6 @@ class PrepareOptions:
     seed: int = 0
     torch_threads: int = 1                  # torch ops next to the C kernels (see `make_pack`)
     extra: dict = field(default_factory=dict)
-
-
-def model_weight_bytes(model) -> int:
-    """Bytes of every distinct `QWeight` in the model (tied weights counted once)."""
-    seen = {}
-    for m in model.modules():
-        for v in vars(m).values():
-            if isinstance(v, QWeight):
-                seen[id(v.qs)] = v.nbytes
-    return sum(seen.values())
 
 
 def check_options(opts: PrepareOptions) -> None:
@@ -136,7 +126,7 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
         fingerprint=src.fingerprint(),
         model={"name": name or Path(src.path).name, "family": c.family, "model_type": c.model_type,
                "hidden_act": ffns[0].act_name, "n_layers": len(ffns), "d_model": c.hidden_size,
-               "n_neurons": ffns[0].n_neurons, "weight_bytes": model_weight_bytes(model)},
+               "n_neurons": ffns[0].n_neurons, "weight_bytes": qweight_nbytes(model)},
         activation_source=source, layers=layers, calibration=cs.description, info=info)
     if opts.evaluate:
         pack.info["eval"] = evaluate_pack(model, pack, cs.eval, opts.progress)
