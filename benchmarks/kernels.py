@@ -1,7 +1,9 @@
 """Benchmark of the CPU kernel core (sparseinfer.kernels.cpu); not a test.
 
-    python benchmarks/kernels.py [--threads 2] [--json FILE] [--md docs/kernels-benchmarks.md]
-                                 [--plot docs/img/kernels_sparse.png] [--formats q4,q8,...] [--quick]
+    python benchmarks/kernels.py [--threads 2] [--json FILE] [--md FILE] [--plot PNG]
+                                 [--formats q4,q8,...] [--quick]
+
+Records cited by docs/performance.md (which gives the exact commands) are in benchmarks/results/.
 
 1. A streaming-read bandwidth probe (C, same thread count) over a >= 2 GB array.
 2. Dense gemv per format on FFN shapes (Qwen2.5-1.5B 8960x1536 / 1536x8960, Llama-7B
@@ -585,8 +587,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the records to this file")
-    ap.add_argument("--md", help="write a markdown report (e.g. docs/kernels-benchmarks.md)")
-    ap.add_argument("--plot", help="write the sparse plot (e.g. docs/img/kernels_sparse.png)")
+    ap.add_argument("--md", help="write a markdown report to this file")
+    ap.add_argument("--plot", help="write the sparse plot (e.g. docs/img/kernels_sparse_amx_spread.png)")
     ap.add_argument("--formats", default="q4,q8,q6,f16,bf16,f32")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reps", type=int, default=5, help="passes per measurement (best is kept)")

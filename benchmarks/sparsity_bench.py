@@ -1,7 +1,7 @@
 """Decode/prompt speed: dense vs the calibrated sparsity pack vs forced FFN densities.
 
     python benchmarks/sparsity_bench.py -m MODEL --pack MODEL.sparse --densities 0.5,0.25,0.1 -t 2 \
-        --json docs/sparsity_bench.jsonl
+        --json sparsity_bench.jsonl
 
 One load, then each configuration swaps the FFNs in place (same weights, same process) and runs
 `sparseinfer.bench.measure` (synthetic prompt, greedy decode after warm-up), best of

@@ -1,8 +1,9 @@
 """Perplexity vs activation sparsity (WikiText-2 test, llama.cpp's chunked scoring).
 
     python benchmarks/sparsity_ppl.py -m MODEL --sparsities 0.3,0.5,0.7 --chunks 8 \
-        --packs a.sparse,b.sparse --json docs/sparsity_ppl.jsonl
-    python benchmarks/sparsity_ppl.py --plot docs/img/ppl_vs_sparsity.png --json docs/sparsity_ppl.jsonl
+        --packs a.sparse,b.sparse --json benchmarks/results/sparsity_ppl.jsonl
+    python benchmarks/sparsity_ppl.py --json benchmarks/results/sparsity_ppl.jsonl \
+        --plot docs/img/ppl_vs_sparsity.png
 
 For each sparsity s, per-layer thresholds are the s-quantiles of |act(gate x)| on the default
 calibration mix (thresholds alone: the sparsified model); for each pack, its own thresholds

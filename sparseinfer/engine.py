@@ -153,12 +153,12 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
 def _settle_heap() -> None:
     """After loading (glibc; no-op elsewhere):
     - hand the heap's free pages back to the OS: loading makes and drops many weight-sized
-      temporaries (repacking, permuted copies, neuron records), which left ~500 MB of a sparse
-      Qwen2.5-1.5B load resident (3.54 -> 3.04 GB after the trim; dense 2.72 -> 2.63);
+      temporaries (repacking, permuted copies, neuron records), which would otherwise stay
+      resident;
     - then serve allocations under 64 MB from the heap and let up to 128 MB of freed heap stay
       mapped: a prefill makes and frees tens of MB of activations per layer, and with glibc's
-      defaults each was a fresh mmap whose pages faulted in again (Qwen2.5-1.5B, 2 threads,
-      512-token prompt, alternated: 179-203 -> 208-212 tok/s, peak RSS unchanged).
+      defaults each was a fresh mmap whose pages faulted in again (slower prefill, same peak
+      RSS; compare with `sparseinfer bench`).
       $MALLOC_MMAP_THRESHOLD_ / $MALLOC_TRIM_THRESHOLD_, when set, win."""
     import ctypes
     import sys
@@ -180,8 +180,8 @@ def set_threads(n: int) -> None:
     """Threads for our CPU kernels (the weight products).
 
     torch keeps one thread when the C kernels are available: its OpenMP workers spin after
-    every small op (norms, rope, attention) and fight the kernel threads for the cores; on
-    2 cores that cost 3x in decode speed (measured: 2.5 vs 8-10 tok/s on Qwen2.5-1.5B)."""
+    every small op (norms, rope, attention) and fight the kernel threads for the cores, which
+    costs decode speed most when the cores are few."""
     if n < 1:
         raise SparseInferError(f"threads must be >= 1 (got {n})")
     from .kernels import cpu
@@ -191,9 +191,10 @@ def set_threads(n: int) -> None:
 
 
 # "auto" picks "precise" for models under this many weight bytes: their decode is bound by
-# per-token work outside the weight products, so the second activation term costs ~10%
-# (SmolLM2-135M: 21.2 vs 18.9 ms/token), against ~25% on bandwidth-bound models
-# (Qwen2.5-Coder-1.5B: 80 vs 63 ms/token).
+# per-token work outside the weight products, so the second activation term costs them a
+# smaller share of decode time than it costs bandwidth-bound models.  A tuned boundary:
+# compare `sparseinfer bench --act-mode int8` with `--act-mode precise` on small and larger
+# models.
 AUTO_PRECISE_MAX_BYTES = 256 << 20
 ACT_MODES = ("auto", "int8", "precise")
 
@@ -206,8 +207,8 @@ def _check_act_mode(mode: str) -> None:
 def set_act_mode(mode: str, model: torch.nn.Module | None = None) -> str:
     """How the CPU kernels round activations for 4/8-bit weights (process-wide); returns the
     mode in effect.  "int8": one int8 term per block of 32, llama.cpp's Q8 activations
-    (teacher-forced KL to the f32 model on SmolLM2-135M: 0.0038; llama.cpp's: 0.0035);
-    "precise": a second int8 term for the rounding residual (KL < 1e-5, ~10-25% slower
+    (teacher-forced KL to the f32 model on par with llama.cpp's; figures in docs/performance.md);
+    "precise": a second int8 term for the rounding residual (about f32 accuracy, slower
     decode); "auto": $SPARSEINFER_ACT_MODE when set, else "precise" for models under
     AUTO_PRECISE_MAX_BYTES of weights and "int8" above."""
     from .quant import qweight_nbytes

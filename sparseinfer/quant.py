@@ -182,8 +182,8 @@ def unpack_q6_reference(qs: torch.Tensor) -> torch.Tensor:
 
 
 # Rows per slice in pack_q6 / unpack_q6: bounds their uint8 temporaries to a few times the
-# slice (loading Qwen2.5-1.5B's 151936 x 1536 q6 head with whole-tensor int64 temporaries
-# peaked at ~9.5 GB and took ~20 s).
+# slice (whole-tensor int64 temporaries for a vocabulary-sized q6 head take many times its
+# size in memory, and the load slows down with them).
 _Q6_SLICE_ROWS = 8192
 
 

@@ -21,7 +21,7 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="GPU memory to use: 4GiB, 512MiB, or a number of GiB (default: free memory minus 1 GiB)")
     p.add_argument("--act-mode", default="auto", choices=("auto", "int8", "precise"),
                    help="activation rounding for 4/8-bit weights: int8 (llama.cpp's), precise (two int8 terms, "
-                        "~f32; 10-25%% slower decode), auto (precise for models under 256 MiB; default)")
+                        "~f32; slower decode), auto (precise for models under 256 MiB; default)")
 
 
 def sparse_args(p: argparse.ArgumentParser, density: bool = True) -> None:

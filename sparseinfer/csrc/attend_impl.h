@@ -7,7 +7,7 @@
  *   AT_NAME                 the exported function (see common.h)
  * N is a compile-time constant per dispatch case, so the per-head accumulators live in
  * registers: with a run-time N they lived on the stack and every FMA waited on a
- * store-to-load round trip (~90 ns per position for 6 heads of 128 on one core, ~4x this).
+ * store-to-load round trip, several times slower than this.
  * Scores take two positions per step (each q load serves both, twice the independent FMA
  * chains) where the registers allow; o = P V runs over blocks of ATT_LB positions (their V
  * rows stay in L1/L2 while column strips of two vectors pass over them, one broadcast of a

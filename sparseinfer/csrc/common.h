@@ -82,8 +82,9 @@ typedef struct {
     int64_t ysr, yst;
 } yout_t;
 
-/* One instruction-set level's kernels.  All of them are single-threaded; ops.c splits the
- * work.  Row indices: `rows == NULL` means rows i0..i1-1 themselves, else rows[i0..i1-1]. */
+/* One instruction-set level's kernels.  All of them are single-threaded; the operations
+ * (dense.c, sparse.c, norm_attn.c) split the work.  Row indices: `rows == NULL` means rows
+ * i0..i1-1 themselves, else rows[i0..i1-1]. */
 typedef struct {
     const char *name;
     /* quantize token vectors x[t*K ...] for t in [t0, t1) into xq */
@@ -101,13 +102,13 @@ typedef struct {
     uint64_t (*read_sum)(const uint8_t *p, int64_t nbytes);
     /* v[i] = act(v[i]) in place (ACT_* code) */
     void (*act)(int act, float *v, int64_t n);
-    /* the neuron-record pass (ops.c) prefetches whole records a block ahead (1) or leaves the
-     * reads to the dot tiles' and the axpy's own prefetches (0); measured per level, see
-     * rec_prefetch */
+    /* the neuron-record pass (sparse.c) prefetches whole records a block ahead (1) or leaves
+     * the reads to the dot tiles' and the axpy's own prefetches (0); chosen per level by
+     * benchmark, see rec_prefetch */
     int rec_prefetch_whole;
     /* single-token attention of up to SI_ATT_MAXG query heads over one KV head (see
      * si_attend_heads_avx2 below) for head sizes D that are multiples of attend_w; NULL: the
-     * portable version in ops.c */
+     * portable version in norm_attn.c */
     void (*attend)(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D, int64_t L,
                    float scale);
     int attend_w;
@@ -126,7 +127,7 @@ void si_fill_de(int layout, int64_t nb, const float *d, float *de);
 
 /* Single-token attention of n query heads (rows of q, D floats) over one KV head's L rows of
  * K and V: scores in sc (n x L), output rows in o; D a multiple of 8, n <= SI_ATT_MAXG.
- * ops.c's si_attend1 splits the heads and has the portable version. */
+ * norm_attn.c's si_attend1 splits the heads and has the portable version. */
 #define SI_ATT_MAXG 8
 #if SI_X86
 void si_act_avx2(int act, float *v, int64_t n); /* also the AVX-512 levels' */

@@ -99,8 +99,8 @@ static double now_seconds(void) {
 
 /* The k-th largest of v[0..n) (1 <= k <= n): a radix select on order-preserving integer
  * keys, 11 + 11 + 10 bits, the first pass over all n and the later ones over the keys left in
- * the chosen bucket.  Branch-free counting: a quickselect's data-dependent branches cost ~3x
- * more here (8960 predictor scores per layer and token).  tmp: room for n uint32. */
+ * the chosen bucket.  Branch-free counting: a quickselect's data-dependent branches mispredict
+ * on these scores (thousands per layer and token) and cost more.  tmp: room for n uint32. */
 static float kth_largest(const float *v, int64_t n, int64_t k, uint32_t *tmp) {
     uint32_t cnt[2048];
     const int shift[3] = {21, 10, 0}, width[3] = {11, 11, 10};

@@ -11,7 +11,7 @@
  * from the VNNI tiles (they sum 8 products per lane and reduce the 16 lanes at the end), so
  * on this level a matmul row
  * equals the gemv of that token within the kernels' error contract, not bit for bit; every
- * result is still independent of runs and thread counts (ops.c splits rows in multiples of
+ * result is still independent of runs and thread counts (dense.c splits rows in multiples of
  * 16, see kernels_t.matmul_row_align, and tokens by a count that depends on K only).
  *
  * Rows and tokens that do not fill a 16 x 16 tile, the two-term activation mode
@@ -208,7 +208,7 @@ static void pack_tokens(const xq_t *xq, int64_t nb, int64_t g0, int64_t g1) {
         }                                                         \
     } while (0)
 /* The 16 accumulators are named variables (a0..a15), not an array: with an array GCC kept
- * them in memory around the tile instructions, which cost ~3x in the scaling. */
+ * them in memory around the tile instructions, which made the scaling much slower. */
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define SCALE_R(r) a##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * r)), \
                                           _mm512_mul_ps(_mm512_set1_ps(dwp[r]), xdv), a##r);

@@ -353,13 +353,11 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
     if (T == 1 && !P && rows && i1 - i0 >= 16) {
         /* one token over gathered rows: tiles of 8 rows, each from its own eighth of [i0, i1),
          * the next tile prefetched into L1 (the 4-row tiles prefetch two tiles ahead into L2),
-         * as the AVX-512 kernels do.  Against the 4-row walk, alternated in one process on the
-         * Xeon of docs/benchmarks.md with SPARSEINFER_SIMD=avx2, 2 threads, 8960x1536 at
-         * active fraction 0.1 / 0.25: q4 gemv_rows 78 -> 66 / 156 -> 130 us (rows with their
-         * scales, `interleave_rows`; separate scales 96 -> 87 us), q8 111 -> 95 / 238 -> 199,
-         * q6 102 -> 89 / 208 -> 181; the neuron-record pass 192 -> 179 / 427 -> 413 us
-         * (bit-identical).  With the 8-row tiles prefetching into L2 (T1), q4 with separate
-         * scales went 91 -> 87 us only (T0: 79).  Not measured on an AVX2-only CPU. */
+         * as the AVX-512 kernels do.  Against the 4-row walk it reads gathered rows faster
+         * (gemv_rows in both row layouts, and the neuron-record pass; bit-identical), and the
+         * L1 hint (T0) gains more than T1 with separate scales.  Compared on an AVX-512 CPU
+         * with SPARSEINFER_SIMD=avx2 (`python benchmarks/kernels.py`), not yet on an
+         * AVX2-only one. */
         si_dot_rows8(w, rows, i0, i1, xq, out, w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1,
                      tiles[1][2]);
         return;
@@ -523,9 +521,8 @@ static void axpy(const qmat_t *wt, const float *h, const int32_t *rows, int64_t 
     int64_t j = 0;
     if ((fmt == FMT_Q8 || fmt == FMT_Q4) && (c1 - c0) % 32 == 0) {
         /* two rows per pass over y: half the loads and stores of y, the same sums in the same
-         * order (row j's fma, then row j + 1's, per element; their mins likewise per block);
-         * AVX2 q4 axpy_rows 8960x1536 at 1.0 / 0.1 active: 1015-1037 -> 726-734 / 148-157 ->
-         * 130-132 us */
+         * order (row j's fma, then row j + 1's, per element; their mins likewise per block),
+         * which makes axpy_rows faster at any active fraction */
         for (; j + 2 <= n; j += 2) {
             /* rows PF_ROWS ahead: scales now, data one line per line consumed (a burst of
              * prefetches per row stalls once the miss buffers are full) */

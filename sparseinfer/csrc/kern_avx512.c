@@ -8,7 +8,7 @@
 const kernels_t si_kernels_avx512 = {"avx512", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 0, si_attend_heads_avx512, 16};
 
 /* si_attend_heads_avx512: attend_impl.h with 16-float vectors.  The AVX2 version is bound by
- * FMA throughput (~45 ns per position for 6 heads of 128 on one core), which this halves;
+ * FMA throughput, which the doubled vector width halves;
  * serves both AVX-512 levels (no integer work here).  32 registers: positions always paired. */
 #define AT_V __m512
 #define AT_W 16

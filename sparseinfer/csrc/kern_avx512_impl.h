@@ -86,14 +86,13 @@ AI void mterm(const qmat_t *w, const uint16_t *const *mp, const xq_t *xq, const 
 }
 
 /* Prefetch hint of the one-token dot tiles (rows and scales) and the axpy: T0 (into L1).  On
- * scattered rows it read 6-12% faster than T1 in gemv_rows (q4/q6/q8 at active fractions
- * 0.1-0.25) and a little faster in axpy_rows; dense gemv unchanged (Xeon, AVX-512, 2
- * threads; docs/benchmarks.md, "Prefetch hint").  The matmul tiles and the neuron-record pass
- * (ops.c) keep T1: records measured no better with T0. */
+ * scattered rows it reads faster than T1 in gemv_rows and axpy_rows, and dense gemv does not
+ * care (compare with `python benchmarks/kernels.py`).  The matmul tiles and the neuron-record
+ * pass (sparse.c) keep T1: records gain nothing from T0. */
 AI void pfx(const char *p) { _mm_prefetch(p, _MM_HINT_T0); }
 
-/* Software prefetch of the next tile's rows (the hardware prefetchers alone leave a core at
- * about a third of its share of DRAM bandwidth on short row streams): their scales now,
+/* Software prefetch of the next tile's rows (the hardware prefetchers alone leave a core far
+ * short of its share of DRAM bandwidth on short row streams): their scales now,
  * their data one cache line per line consumed here.  Without a next tile, rows are
  * "prefetched" again (harmless hits). */
 AI void prefetch_next(const qmat_t *w, const int64_t *rn, const int R, const uint8_t **pf) {
@@ -527,12 +526,10 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
     const int P = xq->pair ? 1 : 0;
     if (T == 1 && !P && rows && i1 - i0 >= 16) {
         /* one token over gathered rows: tiles of 8 rows, each from its own eighth of [i0, i1),
-         * so that a core reads 8 scattered row streams at once.  Against 4 (the quarters of
-         * walk_pos), alternated in one process, 2 threads, at active fraction 0.1: q4
-         * 8960x1536 gemv_rows 73 -> 66 us, the records pass 167 -> 161 us; q8 gemv_rows
-         * 100 -> 94 us; q6 85 -> 79 us.  Dense rows stay on 4 streams: 8 read tall matrices
-         * slower (17920x1536 q4 508 -> 517 us, q8 871 -> 894 us; 151936x1536 q8 7.96 ->
-         * 8.34 ms, q6 6.48 -> 6.56 ms) and 8960x1536 the same. */
+         * so that a core reads 8 scattered row streams at once, which reads gathered rows
+         * (gemv_rows, the records pass) faster than 4 (the quarters of walk_pos).  Dense rows
+         * stay on 4 streams: 8 read tall matrices a little slower and the others no faster
+         * (`python benchmarks/kernels.py` compares both). */
         si_dot_rows8(w, rows, i0, i1, xq, out, w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1,
                      tiles[1][2]);
         return;
@@ -661,7 +658,7 @@ static void dot_f(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
 
 /* ------------------------------------------------------------------------------ axpy */
 
-#define AXPY_MAXB 128 /* blocks of 32 columns per call: ops.c keeps chunks <= 4096 columns */
+#define AXPY_MAXB 128 /* blocks of 32 columns per call: sparse.c keeps chunks <= 4096 columns */
 #ifndef AXPY_PF
 #define AXPY_PF 8    /* rows prefetched ahead */
 #endif

@@ -6,7 +6,7 @@
 /* Quantize one block of 32 values (x beyond K count as 0): q, scale d, and s = d * sum(q),
  * the sum of the block as the dot product sees it (for the m term: with the sum of the
  * rounded values the rounding error meets the true weights d*q + m, which are centred, rather
- * than the nibbles d*q alone, which for q4 carry an offset of ~8d; 1.1-5x smaller error). */
+ * than the nibbles d*q alone, which for q4 carry an offset of ~8d: a smaller error). */
 static void quant_block(const float *x, int64_t n, int8_t *q32, float *d, float *s) {
     float v[32], amax = 0.0f;
     for (int j = 0; j < 32; j++) {

@@ -329,7 +329,7 @@ static PyObject *py_act(PyObject *self, PyObject *const *a, Py_ssize_t na) {
 
 static int get_f32(PyObject *o, float *v);
 
-/* hidden_rows(act, relu_up, g, g_stride, u, u_stride, M, n, thr, order, out): see ops.c
+/* hidden_rows(act, relu_up, g, g_stride, u, u_stride, M, n, thr, order, out): see sparse.c
  * (u 0: plain FFN; order 0: no permutation); g is overwritten */
 static PyObject *py_hidden_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *g, *u, *order, *out;
@@ -365,7 +365,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_RETURN_NONE;
 }
 
-/* attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale): single-token attention, see ops.c */
+/* attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale): single-token attention, see norm_attn.c */
 static PyObject *py_attend1(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *q, *k, *v, *o;
     int64_t H, Hk, D, L, ks, vs;

@@ -1,4 +1,5 @@
-/* Threaded operations on top of one kernel table (chosen at run time); see ops.c. */
+/* Threaded operations on top of one kernel table (chosen at run time); see runtime.c,
+ * quant.c, dense.c, sparse.c, norm_attn.c, probe.c and decode.c. */
 #ifndef SI_OPS_H
 #define SI_OPS_H
 #include "common.h"
@@ -22,11 +23,11 @@ void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,
                    const float *x, const int32_t *rows, int64_t n, float *y);
 /* One pass over candidate neurons whose first/second/down_t rows lie in one record each (see
- * ops.c; rec = si_record_base of the three); keeps |act(first)| > thr; returns the kept count. */
+ * sparse.c; rec = si_record_base of the three); keeps |act(first)| > thr; returns the kept count. */
 int64_t si_sparse_records(const uint8_t *rec, int act, int relu_up, const qmat_t *first, const float *fb,
                           const qmat_t *second, const float *sb, const qmat_t *down_t, const float *x,
                           const int32_t *rows, int64_t n, float thr, float *y);
-/* SparseFFN's thresholded hidden rows for T > 1 (ops.c); g is overwritten with act(g) */
+/* SparseFFN's thresholded hidden rows for T > 1 (sparse.c); g is overwritten with act(g) */
 void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, int64_t us, int64_t M, int64_t n,
                     float thr, const int64_t *order, float *out);
 const uint8_t *si_record_base(const qmat_t *first, const qmat_t *second, const qmat_t *down_t);
@@ -38,7 +39,7 @@ void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);
 void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
                 int64_t L, int64_t kstride, int64_t vstride, float scale);
 void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
-/* grow-only per-thread buffer `slot` (0..6, see ops.c) of at least n bytes, 64-byte aligned */
+/* grow-only per-thread buffer `slot` (0..10, see runtime.c) of at least n bytes, 64-byte aligned */
 void *si_scratch(int slot, size_t n);
 /* ---- decode plans: what one token's half-block step needs, packed once per layer at load.
  * sparseinfer/kernels/decode_plan.py mirrors these structs field for field (ctypes) and fills

@@ -2,8 +2,8 @@
  *
  * Why by hand: the gguf package only dequantizes to float, and our numpy converters
  * (sparseinfer/io/gguf.py: _q4_k, _q6_k + quant.pack_q6, kept as the reference the tests
- * compare against) move ~0.1-0.3 GB/s, which made loading Qwen2.5-Coder-1.5B Q4_K_M take
- * ~7 s of CPU.  These loops do the same bit shuffles in one pass per super-block.
+ * compare against) make many passes over temporaries, which dominated the load time of
+ * K-quant GGUF files.  These loops do the same bit shuffles in one pass per super-block.
  *
  * Scales come out as float32 products exactly as numpy computes them (f16 -> f32, times the
  * integer sub-scale in f32); the caller rounds them to f16 (round to nearest even, as numpy's

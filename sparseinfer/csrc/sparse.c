@@ -260,7 +260,9 @@ void si_hidden_rows(int act, int relu_up, float *g, int64_t gs, const float *u, 
  * summed in one partial-sum pass per many kept (REC_FLUSH), not per block; both made the pass
  * faster with the AVX-512 and the AVX2 kernels.  Blocks of 128 with the AVX-512 kernels, whose
  * dot tiles and axpy read 8 rows at a time (faster than 64).  The AVX2 kernels prefetch whole
- * records a block ahead and keep 64 (two blocks of 128 records would overflow a 512 KB L2). */
+ * records a block ahead and keep 64 (two blocks of 128 records would overflow a 512 KB L2).
+ * Tuned with `python benchmarks/kernels.py` (its sparse_ffn_records rows); the #ifndef macros
+ * below can be set at compile time to compare. */
 #ifndef REC_BLOCK
 #define REC_BLOCK 128
 #endif

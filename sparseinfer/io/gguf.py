@@ -18,8 +18,8 @@ GGUF_MAGIC = b"GGUF"
 
 
 # Why a parser of our own: gguf.GGUFReader builds a numpy view per key and per vocabulary entry,
-# which takes 3-15 s for a 150k-token vocabulary on every load; this reads the same container
-# (spec: header, key/values, tensor infos, aligned data) with struct in a fraction of a second
+# which is slow for a 150k-token vocabulary on every load; this reads the same container
+# (spec: header, key/values, tensor infos, aligned data) with struct in tight loops
 # and maps tensor data lazily.  The gguf package is still used for its type tables and dequantizers.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -114,7 +114,7 @@ class GGUFFile:
 
     def _strings(self, n: int) -> list[str]:
         """n strings in a row (vocabularies, merges: ~150k each): one tight loop, same checks
-        as `_string` (3x faster than calling it per string)."""
+        as `_string` (much faster than calling it per string)."""
         buf, pos, end = self._buf, self._pos, len(self._buf)
         unpack = struct.Struct("<Q").unpack_from
         out = []
@@ -297,7 +297,7 @@ _C_REPACK = {"Q4_K": 144, "Q6_K": 210}
 
 def _repack_c(tname: str, raw: np.ndarray, rows: int, cols: int):
     """Q4_K / Q6_K -> QWeight with the compiled repack (sparseinfer/csrc/repack.c): the same
-    bytes and scales as `_q4_k` / `_q6_k` + `pack_q6` (tests compare them), ~10-50x faster.
+    bytes and scales as `_q4_k` / `_q6_k` + `pack_q6` (tests compare them), much faster.
     None for other types or when the extension is not built (the numpy converters then do it)."""
     import torch
 

@@ -134,7 +134,7 @@ def _check_tensor(t, what, dtype, shape) -> int:
 
 
 def _vec(x, n, what="x"):
-    """x as a contiguous float32 CPU vector of length n (fast path: ~0.5 us of checks)."""
+    """x as a contiguous float32 CPU vector of length n (fast path: a few cheap checks)."""
     if type(x) is _Tensor and x.dtype is _F32 and x.is_cpu and x.ndim == 1 and x.numel() == n:
         return x if x.is_contiguous() else x.contiguous()
     if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu:
@@ -281,8 +281,8 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     """Y[M, N] = X W^T with torch's float32 GEMM over slices of W's rows dequantized on the fly.
 
     For prefill (many tokens per weight) this beats `matmul`'s integer kernels, whose
-    activations are re-quantized per 32 values: the GEMM reuses each weight M times, so the
-    ~1 ns per weight of dequantization is a few percent of the work.  torch runs it on as many
+    activations are re-quantized per 32 values: the GEMM reuses each weight M times, so
+    dequantizing each weight once is a small part of the work.  torch runs it on as many
     threads as the kernels use (the engine keeps torch at one thread for decode)."""
     if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"X must be a float32 CPU tensor of shape (M, {w.cols})")
@@ -399,8 +399,9 @@ def empty_hugepages(shape, dtype=torch.uint8) -> torch.Tensor:
     """torch.empty whose memory asks for 2 MB transparent huge pages (Linux, THP "madvise").
 
     For weight buffers: sparse kernels read scattered rows, and with 4 KB pages every row
-    costs TLB misses (random 768-byte rows: ~4.5 GB/s per core with 4 KB pages, ~7 with 2 MB
-    pages).  Write the data after allocating (copy_), so the first touch maps huge pages."""
+    costs TLB misses, which huge pages mostly avoid (`python benchmarks/kernels.py` probes
+    random-row reads).  Write the data after allocating (copy_), so the first touch maps huge
+    pages."""
     t = torch.empty(shape, dtype=dtype)
     if _cpu is not None and t.numel():
         _cpu.advise_hugepages(t.data_ptr(), t.numel() * t.element_size())
@@ -412,8 +413,8 @@ def neuron_records(weights: list[QWeight]) -> tuple[torch.Tensor, list[QWeight]]
     count, integer formats), each weight's scales (and mins) then its values: a (rows, R) uint8
     buffer, R a multiple of 64, and the weights as row views into it (qs, d, m strided by R;
     `kernels.cpu` takes them).  A sparse pass then reads one whole record per active neuron
-    instead of six ~100-800 byte pieces at six places (measured on 2 AVX2 cores: random
-    960-byte rows read at ~10 GB/s, 3.5 KB ones at ~19).  `sparse_ffn` and the sparse decode
+    instead of six smaller pieces at six places (longer scattered reads stream faster than
+    short ones).  `sparse_ffn` and the sparse decode
     step take their one pass over whole records when given such views (`benchmarks/kernels.py`:
     `sparse_ffn_records`)."""
     if any(w.rows != weights[0].rows or w.fmt not in ("q4", "q8") for w in weights):
@@ -427,10 +428,10 @@ def interleave_rows(*ws: QWeight) -> QWeight:
     kernel takes either layout and gives the same results; this one keeps a neuron's bytes
     contiguous, so a row-sparse product reads no scales of inactive neighbours (with separate
     scale tensors a 64-byte line of q4 scales spans 1.3 rows of 1536-wide scales, and each row
-    is three streams to fetch instead of one).  Same weights in both layouts, alternated in one
-    process (8960x1536 q4, 2 threads): `gemv_rows` at active fraction 0.1 82 -> 61 us,
-    `axpy_rows` 95 -> 73 us, dense `gemv` 295 -> 271 us.  A float weight has no scales: one
-    comes back as it is, several are refused (`fuse_weights` stacks those itself)."""
+    is three streams to fetch instead of one); with the AVX-512 kernels it speeds up the row
+    products and the dense gemv alike (`python benchmarks/kernels.py --layout rows` against
+    `--layout split`).  A float weight has no scales: one comes back as it is, several are
+    refused (`fuse_weights` stacks those itself)."""
     w0 = ws[0]
     if any(w.fmt != w0.fmt or w.cols != w0.cols or (w.d is None) != (w0.d is None) or (w.m is None) != (w0.m is None)
            for w in ws):
@@ -445,14 +446,11 @@ def interleave_rows(*ws: QWeight) -> QWeight:
 def interleave_pays(w: QWeight) -> bool:
     """Whether `interleave_rows` is expected to speed up products over `w`: integer formats on
     the CPU with the AVX-512 kernels, except q4 rows wider than 4096 values, whose dense gemv
-    read 4-5% slower interleaved (1536x8960 0.30 -> 0.31-0.33 ms, 4096x11008 0.98-1.02 ->
-    0.99-1.04 ms; q8 and q6 were as fast or faster at every width measured).  The AVX2 kernels
-    (same Xeon, `SPARSEINFER_SIMD=avx2`) gained nothing from it: dense gemv 294 vs 301 us,
-    `gemv_rows` at 0.1 72 vs 74 us, Qwen2.5-1.5B decode 19.9-20.3 tok/s split vs 18.2-20.7 interleaved, while
-    the copy added ~0.5 s to its load.  Since the AVX2 one-token tiles read 8 rows (2026-12-05)
-    `gemv_rows` at 0.1 takes 66 us interleaved against 87 split, but decode, whose sparse FFN
-    reads neuron records either way, moved little: dense 23.5-24.1 vs 23.0-23.3 tok/s, density
-    0.1 42.8-44.4 vs 42.7-45.5; kept split until measured on an AVX2-only CPU."""
+    reads a little slower interleaved (q8 and q6 do not).  With the AVX2 kernels the row
+    products gain from it but decode, whose sparse FFN reads neuron records either way, hardly
+    moves, and the copy adds to the load time: they keep the split layout until it is compared
+    on an AVX2-only CPU.  Compare with `python benchmarks/kernels.py --layout rows` against
+    `--layout split` (and `SPARSEINFER_SIMD=avx2` for the AVX2 kernels)."""
     return (w.fmt in ("q4", "q8", "q6") and w.qs.is_cpu and (w.fmt != "q4" or w.cols <= 4096)
             and available() and simd_level().startswith("avx512"))
 
@@ -463,18 +461,17 @@ def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
     weights = [g[0] for g in groups]
     rows = sum(w.rows for w in groups[0])
     # each weight's scales and mins, then its values, weight after weight: the order the pass
-    # reads them in (the dot tiles and the axpy load a row's scales before its values).  Against
-    # all values first, then all scales: records pass at active fraction 0.1, q4, 2 threads,
-    # both layouts alternated in one process, -3% (8960x1536), -5% (11008x4096), q8 -1%.
+    # reads them in (the dot tiles and the axpy load a row's scales before its values), which
+    # the records pass reads a little faster than all values first, then all scales.
     # Each weight's piece starts on a 64-byte line, one common piece size apart, so that the
-    # records pass can read a neuron's gate and up rows as one stream (ops.c, rec_ctx.pair).
+    # records pass can read a neuron's gate and up rows as one stream (sparse.c, rec_ctx.pair).
     pieces = [[(name, t, t.shape[1] * t.element_size()) for name in ("d", "m", "qs")
                if (t := getattr(w, name)) is not None] for w in weights]
     piece = (max(sum(n for *_, n in ps) for ps in pieces) + 63) // 64 * 64
     buf = empty_hugepages((rows, piece * len(weights)))
     # copy in the widest words that every piece's offset and size allow: a strided copy of
-    # bytes moved ~2 GB/s here, of 8-byte words ~10 (Qwen2.5-1.5B's 200 MB output projection
-    # took 0.34 s of its ~1.9 s load)
+    # single bytes is much slower than one of 8-byte words, and large weights (an output
+    # projection) make it a visible share of the load time
     word = next(e for e in (8, 4, 2, 1) if all(n % e == 0 for ps in pieces for *_, n in ps))
     wtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
     wbuf = buf.view(wtype)
@@ -510,10 +507,11 @@ ACTIVATION_MODES = reference.MODES  # ("int8", "precise"), indexed as the core's
 def set_activation_mode(mode: str) -> None:
     """How integer formats (q4/q8) quantize the activation x, per block of 32 values:
     "int8" (default): one int8 term, llama.cpp's Q8 activations (~1e-2 relative error per
-    product; SmolLM2-135M teacher-forced KL to the f32 model 0.0038, llama.cpp's 0.0035);
-    "precise": plus a second int8 term of the rounding residual (about f32 accuracy, KL
-    < 1e-5; ~25% slower q4 decode on 2 AVX2 cores).  Process-wide; $SPARSEINFER_ACT_MODE
-    sets it at start-up.  The contract is in `kernels.reference`."""
+    product; teacher-forced KL to the f32 model on par with llama.cpp's);
+    "precise": plus a second int8 term of the rounding residual (about f32 accuracy; slower
+    decode).  `tests/test_smollm2.py` bounds both KLs (figures: docs/performance.md).
+    Process-wide; $SPARSEINFER_ACT_MODE sets it at start-up.  The contract is in
+    `kernels.reference`."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activation mode must be one of {', '.join(ACTIVATION_MODES)} (got {mode!r})")
     if _cpu is not None:

@@ -357,14 +357,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> tor
     Hk = k.shape[1]
     if T == 1 and q.is_cpu:
         # One query per head, no mask: our C kernel on the kernel threads, reading each KV head
-        # once for its query heads (0.08 vs 0.14 ms per call at 600 cached tokens, 12/2 heads
-        # of 128, 2 threads; torch's SDPA runs on its one thread here).
+        # once for its query heads (torch's SDPA runs on its one thread here).
         return cpu.attend1(q, k, v)
     if T == 1 and H != Hk:
         # One query per head and no mask: the g = H/Hk query heads that share a KV head (head h
         # uses KV head h // g, as repeat_kv does) become g query rows of that KV head, so K/V
-        # are read in place.  torch's enable_gqa path copies K/V per query head: 0.77 ms vs
-        # 0.17 ms per call at 600 cached tokens, 12/2 heads of 128, one thread.
+        # are read in place.  torch's enable_gqa path copies K/V per query head, a copy that
+        # dominates the call.
         out = F.scaled_dot_product_attention(q.reshape(B, Hk, H // Hk, D), k, v)
         return out.view(B, H, 1, D)
     mask = None

@@ -18,7 +18,8 @@ Modes (`mode`):
   where predicting costs more than it saves) the first projection runs dense (with up, in one
   pass over their fused weight, where most neurons stay active) and the threshold picks the
   rows of up/down: exact.  Up and down each run dense instead above a kept fraction set by
-  their bytes and the kernels' measured cost per byte (`crossover`, `up_crossover`).
+  their bytes and the row kernels' cost per byte relative to a dense gemv (`crossover`,
+  `up_crossover`).
   Prefill (T > 1) is dense with the threshold mask;
   batched decode (T = 1, B > 1) applies predictor x threshold masks per token.
 - ``faithful`` (perplexity): every token, T > 1 included, gets predictor mask x threshold mask
@@ -85,8 +86,7 @@ def transpose_neuron_major(down: QWeight, order: torch.Tensor) -> QWeight:
     Done at load for every sparse layer, so: the compiled dequantization, `from_float` on
     slices of neurons read through the transposed view, then the quantized rows gathered into
     `order` (rows are quantized independently, so this is the whole-matrix
-    `from_float(down.dequantize().T[order])`, bit for bit; Qwen2.5-1.5B's 8960x1536 down:
-    0.48 -> 0.06-0.08 s)."""
+    `from_float(down.dequantize().T[order])`, bit for bit)."""
     full = cpu.dequantize_rows(down) if cpu.available() else down.dequantize()
     ft = full.T
     fmt = down.fmt if down.fmt in FLOAT_FORMATS else "q8"
@@ -101,11 +101,12 @@ def transpose_neuron_major(down: QWeight, order: torch.Tensor) -> QWeight:
 _ROW_BANK = 64  # random row sets per layer for forced density without a predictor
 
 # Time per byte of the sparse kernels on many rows, relative to a dense gemv of the stored
-# weight; they set the dense crossovers.  Measured on 2 AVX2 cores from DRAM: axpy_rows over
-# every row of a q8 down_t 0.94 ms vs the dense q8 down 0.64 ms (`benchmarks/kernels.py`,
-# 8960x1536: 1.46), and in Qwen2.5-Coder-1.5B's FFNs with its pack (~70% kept) the dense
-# down beat the rows until the cost was set to 2; gemv_rows over 70% of the rows of its q4
-# up took what the dense gate gemv took (12.5 vs 12.6 ms over 28 layers: 1.4).
+# weight; they set the dense crossovers (`SparseFFN.crossover`, `up_crossover`).  Tuned
+# constants: `python benchmarks/kernels.py` gives the kernel ratio (axpy_rows / gemv_rows at
+# active fraction 1 against the dense gemv of the same shape), then decode of a model with
+# its pack at a high kept fraction (`python benchmarks/sparsity_bench.py`) places the point
+# where the dense product wins; AXPY_COST sits above the kernel ratio because in decode the
+# dense down won earlier than that ratio alone predicts.
 AXPY_COST = 2.0
 GEMV_ROWS_COST = 1.4
 
@@ -261,7 +262,7 @@ class SparseFFN(Module):
     def crossover(self) -> float:
         """The kept fraction above which down runs dense (its stored weight, h scattered) rather
         than `axpy_rows` over the kept rows of the q8 `down_t`: `dense_crossover`, or where the
-        rows' time reaches the dense product's, by bytes and the measured cost per byte
+        rows' time reaches the dense product's, by bytes and the relative cost per byte
         (`AXPY_COST`).  A q8 down (from Q6_K) gives ~0.5, a q4 one ~0.26."""
         if self.dense_crossover is not None:
             return self.dense_crossover

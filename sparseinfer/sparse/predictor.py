@@ -50,8 +50,8 @@ class QPredictor:
                  tau: float, fmt: str = "q8"):
         self.w1 = from_float(w1.float(), fmt)
         # W2 is stored transposed, (r, n): decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows`
-        # over r long rows), ~7x faster than `gemv` over n rows of r values, and z is not
-        # re-quantized; chunks and the accelerator use the same values
+        # over r long rows, which stream far better than `gemv` over n short rows of r values),
+        # and z is not re-quantized; chunks and the accelerator use the same values
         self.w2t = from_float(w2.float().T.contiguous(), fmt)
         self._hidden_ids = torch.arange(self.w2t.rows, dtype=torch.int32)
         self.b1, self.b2 = b1.float().contiguous(), b2.float().contiguous()
@@ -108,7 +108,7 @@ class QPredictor:
 
     def active_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Predicted active rows, int32 ascending (the decode hot path)."""
-        # numpy's flatnonzero: ~3x cheaper than torch.nonzero at this size
+        # numpy's flatnonzero: less per-call overhead than torch.nonzero at this size
         return torch.from_numpy(np.flatnonzero(self._raw(x).numpy() > self._cut_np).astype(np.int32))
 
     def top_rows(self, x: torch.Tensor, k: int) -> torch.Tensor:
@@ -319,8 +319,10 @@ def train_predictor(data: LayerData, cfg: TrainConfig, first_row_bytes: int) -> 
 
 
 # A predictor must save this share of the first projection's bytes: its rows go through the
-# sparse kernels (slower per byte than a dense gemv) and its misses cost quality (Qwen2.5-1.5B
-# at recall 0.99: +2.2% perplexity from 6 marginal layers with 0.92 predicted density).
+# sparse kernels (slower per byte than a dense gemv) and its misses cost quality, most of it
+# in marginal layers whose predicted density is close to dense anyway.  A tuned constant:
+# perplexity with the pack (`python benchmarks/sparsity_ppl.py --packs`) against decode speed
+# (`python benchmarks/sparsity_bench.py`).
 PREDICTOR_MARGIN = 0.8
 
 

@@ -74,7 +74,7 @@ def make_pack(model, source, tokenizer, model_path, opts: PrepareOptions | None 
     t_start = time.perf_counter() if started is None else started
     torch_threads = torch.get_num_threads()
     # torch's own thread team and the kernels' spinning pool fight over the cores; small torch
-    # ops (norms, activations, training) run ~3x faster single-threaded next to the kernels.
+    # ops (norms, activations, training) run faster single-threaded next to the kernels.
     torch.set_num_threads(opts.torch_threads)
     try:
         return _prepare(model, source, tokenizer, Path(model_path), opts, t_start)
