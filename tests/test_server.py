@@ -158,6 +158,22 @@ def test_sampling_parameters_and_stop(server, client, ref):
     assert a.choices[0].text == b.choices[0].text  # same seed, same sample
 
 
+@pytest.mark.parametrize("prompt,temp,extra", [
+    ("Once upon a time", 1.5, {"min_p": 0.3}), ("Once upon a time", 1.5, {"top_k": 3}),
+    ("Once upon a time", 1.5, {"top_p": 0.5}), ("1, 1, 1, 1, 1, 1,", 0.7, {"presence_penalty": 2.0}),
+    ("1, 1, 1, 1, 1, 1,", 0.7, {"frequency_penalty": 2.0})])
+def test_every_sampling_parameter_reaches_the_sampler(server, ref, prompt, temp, extra):
+    """A seeded sample equals the Python API's with the same settings, and differs from the
+    sample without the setting (so a parameter the server drops shows)."""
+    base = dict(max_tokens=16, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    sample = lambda **kw: "".join(r.text for r in ref.stream_generate(prompt, temp=temp, **(base | kw)))  # noqa: E731
+    want = sample(**extra)
+    assert want != sample(), "this setting does not change the sample here: pick another prompt"
+    r = post(server, "/v1/completions", dict(prompt=prompt, temperature=temp, **(base | extra)))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+
+
 # ----------------------------------------------------------------------------- bad input
 MSG = [{"role": "user", "content": "hi"}]
 BAD = [

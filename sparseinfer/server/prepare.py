@@ -75,5 +75,6 @@ def gen_params(llm, req: _SamplingRequest, ids: list[int], prompt_param: str) ->
     room = ctx - len(ids)
     return GenParams(
         prompt_ids=tuple(ids), max_tokens=min(want or room, room), temperature=req.temperature,
-        top_k=req.top_k, top_p=req.top_p or 1e-9,  # top_p=0 keeps only the most likely token min_p=req.min_p, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=tuple(req.stop_list()))
+        top_k=req.top_k, top_p=req.top_p or 1e-9,  # top_p=0 keeps only the most likely token
+        min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=req.seed, stop=tuple(req.stop_list()))
