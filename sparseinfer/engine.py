@@ -146,6 +146,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     with torch.inference_mode():
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq)
+        llm.model.build_steps()  # the decode plans, checked now rather than at the first token
     _settle_heap()
     return llm
 

@@ -90,6 +90,13 @@ class CausalLM(Module):
         """Where layer i's residual stream lives (an accelerator-placed model overrides this)."""
         return self.device
 
+    def build_steps(self) -> None:
+        """Build (and have C check) every block's decode steps now; `decode_layers` otherwise
+        builds each on the first token (and again after a layer changes)."""
+        for layer in self.layers:
+            if hasattr(layer, "steps"):
+                layer.steps()
+
     def drop_steps(self) -> None:
         """Forget every module's C decode step; the next decode builds them from the current
         weights (after moving or replacing modules)."""
