@@ -147,6 +147,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq)
         llm.model.build_steps()  # the decode plans, checked now rather than at the first token
+    src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
     _settle_heap()
     return llm
 

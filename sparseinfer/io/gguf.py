@@ -27,6 +27,22 @@ _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32,
                7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
 
+def release_pages(mm: np.memmap, offset: int = 0, n: int | None = None) -> None:
+    """madvise(DONTNEED) the whole pages of bytes [offset, offset + n) of a read-only file
+    mapping (all of it by default); a no-op where the OS has no madvise."""
+    import mmap
+
+    m = getattr(mm, "_mmap", None)
+    if m is None or not hasattr(m, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    end = len(mm) if n is None else min(len(mm), offset + n)
+    start = -(-offset // page) * page
+    stop = end // page * page if end < len(mm) else len(m)
+    if stop > start:
+        m.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+
 class GGUFTensor:
     """One tensor's info and a lazy view of its bytes (like gguf's ReaderTensor, minus the cost)."""
 
@@ -39,6 +55,12 @@ class GGUFTensor:
         block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         self.n_bytes = self.n_elements // block * nbytes
         self._mm = mm
+
+    def release(self) -> None:
+        """Drop this process's mapping of the tensor's whole pages (the bytes stay in the OS
+        page cache; a later read maps them again): once converted, the file's copy of a tensor
+        no longer counts in the process's memory."""
+        release_pages(self._mm, self.data_offset, self.n_bytes)
 
     @property
     def data(self) -> np.ndarray:

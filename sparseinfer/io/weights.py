@@ -96,6 +96,9 @@ class WeightSource:
     def prefetch(self) -> None:
         """Start preparing the model's matrices ahead of `qweight` (GGUF: worker threads)."""
 
+    def release_pages(self) -> None:
+        """Drop the pages of the file this process mapped while loading (a no-op by default)."""
+
     def end_prefetch(self) -> None:
         """Stop `prefetch` and drop what the builder did not ask for."""
 
@@ -126,8 +129,20 @@ class GGUFSource(WeightSource):
         if workers < 2:
             return
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sparseinfer-load")
-        self._futures = {t.name: self._pool.submit(gguf_io.tensor_to_qweight, t)
+        self._futures = {t.name: self._pool.submit(self._convert, t)
                          for t in self.reader.tensors if len(t.shape) >= 2}
+
+    @staticmethod
+    def _convert(t):
+        """The tensor in our format; the file's pages of it leave this process's memory (our
+        formats are copies, so the file and the copy are not both resident)."""
+        w = gguf_io.tensor_to_qweight(t)
+        t.release()
+        return w
+
+    def release_pages(self) -> None:
+        """Unmap every page of the file this process has read (header, vocabulary, tensors)."""
+        gguf_io.release_pages(self.reader._mm)
 
     def end_prefetch(self) -> None:
         if self._pool is None:
@@ -166,7 +181,7 @@ class GGUFSource(WeightSource):
     def qweight(self, name: str) -> QWeight:
         t = self._get(name)
         fut = self._futures.pop(t.name, None)
-        w = fut.result() if fut is not None else gguf_io.tensor_to_qweight(t)
+        w = fut.result() if fut is not None else self._convert(t)
         heads = self._unpermute(name)
         if heads:
             w = w.select_rows(llama_qk_unpermute_index(w.rows, heads))
