@@ -118,6 +118,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     set_threads(n_threads)
     t0 = time.perf_counter()
     p = catalog.resolve(None if path is None else str(path))
+    _loading_heap()
     src = open_source(p)
     # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
     # run on every thread; decode then keeps torch at one (see `set_threads`)
@@ -126,6 +127,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     try:
         with torch.inference_mode():
             model = build_model(src)
+        src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
         set_act_mode(act_mode, model)
         if hasattr(src, "metadata"):
             tok = Tokenizer.from_gguf_metadata(src.metadata)
@@ -147,9 +149,37 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq)
         llm.model.build_steps()  # the decode plans, checked now rather than at the first token
-    src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
     _settle_heap()
     return llm
+
+
+def _glibc():
+    """glibc's allocator controls, or None (another OS or C library, or the user set them)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ \
+            or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def _loading_heap() -> None:
+    """While loading (glibc): allocations of 1 MB and more get their own mappings, so a
+    weight-sized temporary (repacking, permuted copies, neuron records) goes back to the OS
+    when freed.  glibc's default threshold rises to the size of the largest block freed, after
+    which such temporaries are carved from the heap and stay resident until the end of the load
+    (on the loader threads' arenas too), raising the peak by several of them."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _settle_heap() -> None:
@@ -162,20 +192,12 @@ def _settle_heap() -> None:
       defaults each was a fresh mmap whose pages faulted in again (slower prefill, same peak
       RSS; compare with `sparseinfer bench`).
       $MALLOC_MMAP_THRESHOLD_ / $MALLOC_TRIM_THRESHOLD_, when set, win."""
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-        if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-            M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-            libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
-            libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
+    libc.malloc_trim(0)
+    libc.mallopt(M_MMAP_THRESHOLD, 64 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 128 << 20)
 
 
 def set_threads(n: int) -> None:
