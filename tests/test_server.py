@@ -544,6 +544,23 @@ def test_allowed_origin_gets_cors_preflight(server):
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
 
 
+def test_body_of_many_small_values_is_refused_unparsed(server, client):
+    """Parsing costs memory per JSON value: a body of more values than a fitting request has is
+    refused before parsing (default 8 x context + 4096)."""
+    many = [{"role": "user", "content": "hi"}] * (4 * CTX + 2048)
+    r = post(server, "/v1/chat/completions", {"messages": many, "max_tokens": 1})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "--max-json-values" in err["message"]
+    ids = server.engine.llm.tokenizer.encode("hello " * (CTX // 2))[: CTX - 8]  # token ids that fit pass
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "stop": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    with limits(server, max_json_values=3):
+        r = post(server, "/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 1})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_still_serving(server, client)
+
+
 def test_post_must_be_json(server, client):
     body = json.dumps({"prompt": "Hi", "max_tokens": 1})
     for ctype in ("text/plain", "application/x-www-form-urlencoded", None):

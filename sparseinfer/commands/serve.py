@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server's own; '*' allows any (default: none)")
     g.add_argument("--max-body", type=float, default=8, metavar="MIB",
                    help="largest request body, in MiB (default: 8)")
+    g.add_argument("--max-json-values", type=int, default=None, metavar="N",
+                   help="JSON values a request body may hold (default: 8 x context size + 4096)")
     g.add_argument("--body-timeout", type=float, default=30, metavar="SECONDS",
                    help="time a request body may take to arrive (default: 30)")
     g.add_argument("--max-stops", type=int, default=16, metavar="N", help="stop strings per request (default: 16)")
@@ -87,14 +89,16 @@ def limits_from_args(a: argparse.Namespace):
                        ("--chat-template-timeout", a.chat_template_timeout)):
         if not value > 0:
             raise SparseInferError(f"{opt} must be more than 0 (got {value})")
-    if a.max_prompt_chars is not None and a.max_prompt_chars < 1:
-        raise SparseInferError(f"--max-prompt-chars must be at least 1 (got {a.max_prompt_chars})")
+    for opt, value in (("--max-prompt-chars", a.max_prompt_chars), ("--max-json-values", a.max_json_values)):
+        if value is not None and value < 1:
+            raise SparseInferError(f"{opt} must be at least 1 (got {value})")
     origins = split_list(a.allowed_origins)
     bad = [o for o in origins if o != "*" and not o.lower().startswith(("http://", "https://"))]
     if bad:
         raise SparseInferError(f"--allowed-origins takes origins like http://localhost:3000 (got {bad[0]!r})")
     return Limits(max_body_bytes=int(a.max_body * (1 << 20)), body_timeout_s=a.body_timeout,
                   max_stops=a.max_stops, max_stop_chars=a.max_stop_chars, max_prompt_chars=a.max_prompt_chars,
+                  max_json_values=a.max_json_values,
                   chat_template_timeout_s=a.chat_template_timeout, allowed_hosts=split_list(a.allowed_hosts),
                   allowed_origins=tuple(o.lower().rstrip("/") for o in origins))
 

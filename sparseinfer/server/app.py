@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import SparseInferError
 from . import protocol as P
 from .engine import Engine, EngineBusyError, EngineStoppedError, GenParams, Sequence
-from .limits import Limits, host_allowed, host_name, origin_allowed
+from .limits import Limits, count_json_values, host_allowed, host_name, origin_allowed
 from .prepare import chat_prompt_ids, check_supported, completion_prompt_ids, gen_params, longest_token_chars
 from .sse import SSEResponse, sse_data
 from .webui import PAGE
@@ -220,12 +220,23 @@ async def _read_body(request: Request, limits: Limits) -> bytes:
     return bytes(body)
 
 
-async def _parse(request: Request, cls, limits: Limits):
-    body = await _read_body(request, limits)
+def _validate(cls, body: bytes, max_values: int):
+    """The request model of `body`, unless it holds more JSON values than `max_values`."""
+    n = count_json_values(body, max_values)
+    if n > max_values:
+        raise P.APIError(413, f"the request body holds about {n} JSON values, more than the {max_values} this "
+                         "server parses (--max-json-values); send fewer messages, parts or token ids", None,
+                         "request_too_large")
     try:
         return cls.model_validate_json(body)
     except ValidationError as e:
         raise P.validation_error(e) from None
+
+
+async def _parse(request: Request, cls, limits: Limits, ctx_size: int):
+    """Read and validate the body, off the event loop (a large one takes a while to parse)."""
+    body = await _read_body(request, limits)
+    return await run_in_threadpool(_validate, cls, body, limits.json_values(ctx_size))
 
 
 def _add_generation_routes(app: FastAPI, settings: Settings, engine: Engine) -> None:
@@ -235,7 +246,7 @@ def _add_generation_routes(app: FastAPI, settings: Settings, engine: Engine) -> 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         limits = settings.limits
-        req = await _parse(request, P.ChatCompletionRequest, limits)
+        req = await _parse(request, P.ChatCompletionRequest, limits, llm.ctx_size)
         check_supported(req, settings.model_id, names, limits)
         ids = await run_in_threadpool(chat_prompt_ids, llm, req, limits.prompt_chars(llm.ctx_size, longest),
                                       limits.chat_template_timeout_s)
@@ -245,7 +256,7 @@ def _add_generation_routes(app: FastAPI, settings: Settings, engine: Engine) -> 
     @app.post("/v1/completions")
     async def completions(request: Request):
         limits = settings.limits
-        req = await _parse(request, P.CompletionRequest, limits)
+        req = await _parse(request, P.CompletionRequest, limits, llm.ctx_size)
         check_supported(req, settings.model_id, names, limits)
         ids = await run_in_threadpool(completion_prompt_ids, llm, req, limits.prompt_chars(llm.ctx_size, longest))
         params = gen_params(llm, req, ids, "prompt")

@@ -10,8 +10,10 @@ sends, and options widen them.
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')  # possessive: linear on any input
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 DEFAULT_PORTS = {"http": "80", "https": "443"}
 
@@ -21,6 +23,7 @@ class Limits:
     """The server's limits on a request; each is an option of `sparseinfer serve`."""
 
     max_body_bytes: int = 8 << 20          # --max-body (MiB); 413 beyond
+    max_json_values: int | None = None     # --max-json-values; None: 8 x context size + 4096; 413 beyond
     body_timeout_s: float = 30.0           # --body-timeout: the whole body must arrive in this time; 408 after
     max_stops: int = 16                    # --max-stops: stop strings per request
     max_stop_chars: int = 256              # --max-stop-chars: characters per stop string
@@ -33,6 +36,26 @@ class Limits:
         """Characters a prompt may have before it is tokenized: more cannot fit in the context,
         as no token stands for more characters than the longest one."""
         return self.max_prompt_chars or ctx_size * max(longest_token_chars, 1)
+
+    def json_values(self, ctx_size: int) -> int:
+        """JSON values a body may hold: parsing costs memory per value, far more than the bytes
+        of a small one; a request that fits the context has about one per token at most."""
+        return self.max_json_values or 8 * ctx_size + 4096
+
+
+def count_json_values(body: bytes, bound: int | None = None) -> int:
+    """About how many values a JSON text holds (commas and opening brackets outside strings),
+    without parsing it. With `bound`, a count at or under it may include those inside strings
+    (counting them is free; leaving them out takes a pass over the strings)."""
+    def structural(a: int = 0, b: int | None = None) -> int:
+        return body.count(b",", a, b) + body.count(b"[", a, b) + body.count(b"{", a, b)
+
+    n = structural()
+    if bound is not None and n <= bound:
+        return n
+    for m in _JSON_STRING.finditer(body):  # one match at a time: no copy of the body
+        n -= structural(*m.span())
+    return n
 
 
 def split_list(value: str | None) -> tuple[str, ...]:
