@@ -634,3 +634,41 @@ def test_looping_chat_template_is_stopped(server, client):
     assert err["code"] == "chat_template_timeout" and err["param"] == "messages"
     assert "--chat-template-timeout" in err["message"]
     assert_still_serving(server, client)
+
+
+def test_host_and_origin_rules():
+    from sparseinfer.server.limits import count_json_values, host_allowed, host_name, origin_allowed
+
+    assert [host_name(h) for h in ("Example.COM:8080", "[::1]:80", "::1", "localhost.", "10.0.0.1")] == \
+        ["example.com", "::1", "::1", "localhost", "10.0.0.1"]
+    assert host_allowed(None, ()) and host_allowed("sub.localhost:1", ()) and host_allowed("[fe80::1]:8080", ())
+    assert not host_allowed("localhost.evil.example", ()) and not host_allowed("2130706433", ())
+    assert host_allowed("gpu-box.lan:8080", ("gpu-box.lan",)) and host_allowed("x", ("*",))
+    assert origin_allowed(None, "evil.example", ())
+    assert origin_allowed("https://chat.example", "chat.example:443", ())  # default ports
+    assert origin_allowed("http://[::1]:8080", "[::1]:8080", ())
+    assert not origin_allowed("http://127.0.0.1:8081", "127.0.0.1:8080", ())
+    assert not origin_allowed("null", "127.0.0.1:8080", ()) and origin_allowed("null", "x", ("null",))
+    assert origin_allowed("HTTP://App.Example:3000", "127.0.0.1", ("http://app.example:3000/",))
+    body = b'{"a": "x,\\", [{", "b": [1, 2, {}]}'
+    assert count_json_values(body) == 6 and count_json_values(body, 100) == 10  # in strings too, under a bound
+
+
+def test_serve_options_make_limits():
+    import argparse
+
+    from sparseinfer.commands.serve import add_arguments, limits_from_args
+    from sparseinfer.errors import SparseInferError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    got = limits_from_args(p.parse_args(["--allowed-hosts", "a.lan, b", "--allowed-origins", "HTTP://X:3000/",
+                                         "--max-body", "0.5", "--max-stops", "4"]))
+    assert got.allowed_hosts == ("a.lan", "b") and got.allowed_origins == ("http://x:3000",)
+    assert got.max_body_bytes == 1 << 19 and got.max_stops == 4 and got == replace(
+        Limits(), allowed_hosts=got.allowed_hosts, allowed_origins=got.allowed_origins, max_body_bytes=1 << 19,
+        max_stops=4)
+    for bad in (["--body-timeout", "0"], ["--max-stops", "-1"], ["--allowed-origins", "localhost:3000"],
+                ["--max-json-values", "0"]):
+        with pytest.raises(SparseInferError, match=bad[0]):
+            limits_from_args(p.parse_args(bad))
