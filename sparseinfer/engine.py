@@ -47,8 +47,12 @@ class LLM:
         return self.model.new_cache(self.ctx_size)
 
     # -- prompts
-    def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+    def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    time_limit: float | None = None) -> str:
+        """The conversation rendered with the model's chat template; `time_limit` (seconds) stops a
+        template that runs longer (`ChatTemplateTimeout`)."""
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                  time_limit=time_limit)
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):

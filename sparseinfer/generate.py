@@ -15,13 +15,17 @@ Sampler = Callable[[torch.Tensor], int]
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
 PREFILL_CHUNK = 512  # prompt tokens per forward pass: bounds activation memory on long prompts
+# temperatures below this sample greedily: dividing float32 logits by a tiny temperature overflows to
+# inf (then NaN probabilities), and this close to 0 a sample is the most likely token anyway
+GREEDY_BELOW = 1e-5
 
 
 # ----------------------------------------------------------------------------- sampling
 def make_sampler(temp: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None) -> Sampler:
-    """logits (vocab,) -> token id. temp <= 0 is greedy; filters apply in llama.cpp's order."""
-    if temp <= 0:
+    """logits (vocab,) -> token id. temp < GREEDY_BELOW (0 included) is greedy; filters apply in
+    llama.cpp's order."""
+    if not temp >= GREEDY_BELOW:  # NaN too
         return lambda logits: int(torch.argmax(logits))
     gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % (2**63)))
 
@@ -126,10 +130,13 @@ def _pending_stop_len(text: str, stops: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                best = max(best, n)
+        # candidate suffixes start where `text` has the stop's first character, longest first
+        i = text.find(s[0], max(len(text) - len(s) + 1, 0))
+        while i != -1 and len(text) - i > best:
+            if s.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(s[0], i + 1)
     return best
 
 

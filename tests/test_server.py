@@ -6,9 +6,13 @@ server's worker thread is the only user of its own copy.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import socket
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +25,8 @@ import sparseinfer  # noqa: E402
 from sparseinfer.server.app import Settings, create_app  # noqa: E402
 from sparseinfer.server.background import BackgroundServer  # noqa: E402
 from sparseinfer.server.engine import Engine  # noqa: E402
+from sparseinfer.server.limits import Limits  # noqa: E402
+from sparseinfer.server.prepare import longest_token_chars  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +212,8 @@ BAD = [
     ("/v1/completions", {"prompt": [10**9]}, None, 400, "invalid_value", "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, None, 400, "unsupported_value", "prompt"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, None, 400, "unsupported_parameter", "echo"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, None, 400, "array_above_max_length", "stop"),
+    ("/v1/chat/completions", {"messages": MSG, "stop": "x" * 257}, None, 400, "string_above_max_length", "stop"),
 ]
 
 
@@ -410,3 +418,257 @@ def test_engine_round_robin_queue_and_cancel():
     finally:
         engine.stop()
     assert not engine.alive
+
+
+# ----------------------------------------------------------------------------- limits and hardening
+@contextmanager
+def limits(server, **kw):
+    """The server's limits changed for the duration (they are read per request)."""
+    old = server.settings.limits
+    server.settings.limits = replace(old, **kw)
+    try:
+        yield
+    finally:
+        server.settings.limits = old
+
+
+def raw_request(server, head: bytes, body: bytes = b"") -> socket.socket:
+    """A connection that has sent `head` (request line and headers) and `body`, left open."""
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    sock.sendall(head + body)
+    return sock
+
+
+def partial_post_head(server, length: int) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def request_count(server, status: int, endpoint="/v1/completions") -> float:
+    s = parse_prometheus(httpx.get(server.url + "/metrics").text)
+    return s.get(f'sparseinfer_requests_total{{endpoint="{endpoint}",status="{status}"}}', 0.0)
+
+
+def assert_still_serving(server, client):
+    r = client.completions.create(model=server.settings.model_id, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_tiny_temperature_is_greedy(server, ref):
+    """A temperature too small for float32 logits samples greedily, in the Python API and the server."""
+    prompt = "The capital of France is"
+    greedy = ref.generate(prompt, max_tokens=8, temp=0)
+    for temp in (1e-6, 1e-39, 5e-324):
+        assert ref.generate(prompt, max_tokens=8, temp=temp, seed=3) == greedy
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": temp, "seed": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy
+
+
+def test_stop_limits_are_inclusive(server, ref):
+    prompt = "1, 2, 3, 4,"
+    want, _, _ = reference(ref, prompt, 6)
+    stops = ["z" * 256] * 16  # at the limits, never matched
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0, "stop": stops})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    with limits(server, max_stops=2):
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "stop": ["a", "b", "c"]})
+        assert r.status_code == 400 and "--max-stops" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_long_prompt_refused_before_tokenizing(server, path, field):
+    """Over context x longest-token characters the prompt cannot fit: refused by its length, with
+    the tokenizer never called."""
+    llm = server.engine.llm
+    bound = CTX * longest_token_chars(llm.tokenizer)
+    text = "a" * (bound + 1)
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    calls, encode = [], llm.tokenizer.encode
+    llm.tokenizer.encode = lambda *a, **kw: calls.append(1) or encode(*a, **kw)
+    try:
+        r = post(server, path, body)
+    finally:
+        del llm.tokenizer.encode
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == field
+    assert "characters" in err["message"] and calls == []
+    with limits(server, max_prompt_chars=10):
+        r = post(server, "/v1/completions", {"prompt": "a" * 11, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_foreign_host_is_refused(server, client):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    for host in ("evil.example", "evil.example:8080", "127.0.0.1.evil.example"):
+        r = post(server, "/v1/completions", body, headers={**AUTH, "Host": host})
+        assert r.status_code == 403, host
+        assert r.json()["error"]["code"] == "host_not_allowed" and "--allowed-hosts" in r.json()["error"]["message"]
+        assert httpx.get(server.url + "/", headers={"Host": host}).status_code == 403
+    for host in (f"localhost:{server.port}", f"[::1]:{server.port}", "127.0.0.1", "10.1.2.3:80", "app.localhost"):
+        assert post(server, "/v1/completions", body, headers={**AUTH, "Host": host}).status_code == 200, host
+    with limits(server, allowed_hosts=("evil.example",)):
+        assert post(server, "/v1/completions", body, headers={**AUTH, "Host": "Evil.Example:1"}).status_code == 200
+    with limits(server, allowed_hosts=("*",)):
+        assert post(server, "/v1/completions", body, headers={**AUTH, "Host": "any.example"}).status_code == 200
+    assert_still_serving(server, client)
+
+
+def test_cross_origin_request_is_refused(server):
+    body = {"prompt": "Hi", "max_tokens": 1}
+    for origin in ("http://evil.example", "null", f"http://localhost:{server.port + 1}"):
+        r = post(server, "/v1/completions", body, headers={**AUTH, "Origin": origin})
+        assert r.status_code == 403, origin
+        assert r.json()["error"]["code"] == "origin_not_allowed" and "--allowed-origins" in r.json()["error"]["message"]
+    # the chat page's own origin (its POSTs carry it), and an allowed one
+    assert post(server, "/v1/completions", body, headers={**AUTH, "Origin": server.url}).status_code == 200
+    with limits(server, allowed_origins=("http://evil.example",)):
+        r = post(server, "/v1/completions", body, headers={**AUTH, "Origin": "http://evil.example"})
+        assert r.status_code == 200
+
+
+def test_allowed_origin_gets_cors_preflight(server):
+    from starlette.testclient import TestClient
+
+    origin = "http://localhost:3000"
+    settings = Settings.for_model(server.engine.llm, api_key=KEY, limits=Limits(allowed_origins=(origin,)))
+    app = create_app(settings, Engine(server.engine.llm))  # never started: preflights do not generate
+    tc = TestClient(app, base_url="http://127.0.0.1:8080")
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+    r = tc.options("/v1/chat/completions", headers={"Origin": origin, **pre})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    r = tc.options("/v1/chat/completions", headers={"Origin": "http://evil.example", **pre})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+
+
+def test_body_of_many_small_values_is_refused_unparsed(server, client):
+    """Parsing costs memory per JSON value: a body of more values than a fitting request has is
+    refused before parsing (default 8 x context + 4096)."""
+    many = [{"role": "user", "content": "hi"}] * (4 * CTX + 2048)
+    r = post(server, "/v1/chat/completions", {"messages": many, "max_tokens": 1})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "--max-json-values" in err["message"]
+    ids = server.engine.llm.tokenizer.encode("hello " * (CTX // 2))[: CTX - 8]  # token ids that fit pass
+    r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 1, "stop": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    with limits(server, max_json_values=3):
+        r = post(server, "/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 1})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert_still_serving(server, client)
+
+
+def test_post_must_be_json(server, client):
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**AUTH, **({"Content-Type": ctype} if ctype else {})}
+        r = httpx.post(server.url + "/v1/completions", content=body.encode(), headers=headers)
+        assert r.status_code == 415, ctype
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    r = httpx.post(server.url + "/v1/completions", content=body.encode(),
+                   headers={**AUTH, "Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_client_leaving_mid_body_is_a_quiet_499(server, client):
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "sparseinfer.server", "")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        before, before_500 = request_count(server, 499), request_count(server, 500)
+        raw_request(server, partial_post_head(server, 1000), b'{"prompt": "Hel').close()
+        deadline = time.monotonic() + 10
+        while request_count(server, 499) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert request_count(server, 499) == before + 1
+        assert request_count(server, 500) == before_500
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    assert not errors, [e.getMessage() for e in errors]
+    assert_still_serving(server, client)
+
+
+def test_slow_body_times_out(server, client):
+    with limits(server, body_timeout_s=0.5):
+        sock = raw_request(server, partial_post_head(server, 1000), b'{"prompt": "Hel')
+        t0 = time.monotonic()
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        sock.close()
+    assert time.monotonic() - t0 < 10
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), head
+    err = json.loads(payload)["error"]
+    assert err["code"] == "request_timeout" and "--body-timeout" in err["message"]
+    assert_still_serving(server, client)
+
+
+def test_looping_chat_template_is_stopped(server, client):
+    """A template that runs for hours on a long message is stopped at --chat-template-timeout."""
+    tok = server.engine.llm.tokenizer
+    saved = tok.chat_templates, tok.chat_template, tok._compiled_templates
+    src = ("{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% endfor %}{% endfor %}"
+           "{{ m.content }}{% endfor %}")
+    tok.chat_templates, tok.chat_template, tok._compiled_templates = {"default": src}, src, {}
+    try:
+        with limits(server, chat_template_timeout_s=0.3):
+            t0 = time.monotonic()
+            r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 50_000}],
+                                                      "max_tokens": 1})
+            assert time.monotonic() - t0 < 10
+    finally:
+        tok.chat_templates, tok.chat_template, tok._compiled_templates = saved
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "chat_template_timeout" and err["param"] == "messages"
+    assert "--chat-template-timeout" in err["message"]
+    assert_still_serving(server, client)
+
+
+def test_host_and_origin_rules():
+    from sparseinfer.server.limits import count_json_values, host_allowed, host_name, origin_allowed
+
+    assert [host_name(h) for h in ("Example.COM:8080", "[::1]:80", "::1", "localhost.", "10.0.0.1")] == \
+        ["example.com", "::1", "::1", "localhost", "10.0.0.1"]
+    assert host_allowed(None, ()) and host_allowed("sub.localhost:1", ()) and host_allowed("[fe80::1]:8080", ())
+    assert not host_allowed("localhost.evil.example", ()) and not host_allowed("2130706433", ())
+    assert host_allowed("gpu-box.lan:8080", ("gpu-box.lan",)) and host_allowed("x", ("*",))
+    assert origin_allowed(None, "evil.example", ())
+    assert origin_allowed("https://chat.example", "chat.example:443", ())  # default ports
+    assert origin_allowed("http://[::1]:8080", "[::1]:8080", ())
+    assert not origin_allowed("http://127.0.0.1:8081", "127.0.0.1:8080", ())
+    assert not origin_allowed("null", "127.0.0.1:8080", ()) and origin_allowed("null", "x", ("null",))
+    assert origin_allowed("HTTP://App.Example:3000", "127.0.0.1", ("http://app.example:3000/",))
+    body = b'{"a": "x,\\", [{", "b": [1, 2, {}]}'
+    assert count_json_values(body) == 6 and count_json_values(body, 100) == 10  # in strings too, under a bound
+
+
+def test_serve_options_make_limits():
+    import argparse
+
+    from sparseinfer.commands.serve import add_arguments, limits_from_args
+    from sparseinfer.errors import SparseInferError
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    got = limits_from_args(p.parse_args(["--allowed-hosts", "a.lan, b", "--allowed-origins", "HTTP://X:3000/",
+                                         "--max-body", "0.5", "--max-stops", "4"]))
+    assert got.allowed_hosts == ("a.lan", "b") and got.allowed_origins == ("http://x:3000",)
+    assert got.max_body_bytes == 1 << 19 and got.max_stops == 4 and got == replace(
+        Limits(), allowed_hosts=got.allowed_hosts, allowed_origins=got.allowed_origins, max_body_bytes=1 << 19,
+        max_stops=4)
+    for bad in (["--body-timeout", "0"], ["--max-stops", "-1"], ["--allowed-origins", "localhost:3000"],
+                ["--max-json-values", "0"]):
+        with pytest.raises(SparseInferError, match=bad[0]):
+            limits_from_args(p.parse_args(bad))

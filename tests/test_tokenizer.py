@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from sparseinfer.errors import ModelFormatError, SparseInferError, UnsupportedError
-from sparseinfer.io.chat_template import ChatTemplateError, NoChatTemplateError
+from sparseinfer.io.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateTimeout, NoChatTemplateError
 from sparseinfer.io.gguf import open_reader, read_metadata
 from sparseinfer.io.tokenizer import StreamDetokenizer, Tokenizer
 
@@ -534,3 +534,22 @@ def test_chat_template_features_and_errors(gguf_case):
     with pytest.raises(NoChatTemplateError, match="no chat template") as e:
         tok.apply_chat_template([{"role": "user", "content": "x"}])
     assert isinstance(e.value, SparseInferError)
+
+
+def test_chat_template_time_limit():
+    """Nested loops over a message run for hours in the sandbox: the time limit stops them, a
+    normal render under the same limit is unchanged, and the thread's trace function is restored."""
+    import sys
+    import time
+
+    quadratic = ("{% for m in messages %}{% for a in m.content %}{% for b in m.content %}{% endfor %}"
+                 "{% endfor %}{{ m.content | length }}{% endfor %}")
+    tpl = ChatTemplate(quadratic)
+    assert tpl.render([{"role": "user", "content": "abc"}], time_limit=5) == "3"
+    before = sys.gettrace()
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateTimeout, match="did not finish within 0.2 s"):
+        tpl.render([{"role": "user", "content": "x" * 100_000}], time_limit=0.2)
+    assert time.monotonic() - t0 < 5
+    assert sys.gettrace() is before
+    assert issubclass(ChatTemplateTimeout, ChatTemplateError)

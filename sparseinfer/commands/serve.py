@@ -24,6 +24,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences decoded together, round-robin, each with its own KV cache (default: 1)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (default: 64)")
     p.add_argument("--alias", default=None, help="model id to report (default: the model file's name)")
+    g = p.add_argument_group("limits and hardening (see docs/server.md)")
+    g.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="comma list of host names clients may reach the server by, besides localhost, IP "
+                        "addresses and --host; '*' allows any (default: none)")
+    g.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma list of web origins (http://host:port) whose pages may call the API, besides the "
+                        "server's own; '*' allows any (default: none)")
+    g.add_argument("--max-body", type=float, default=8, metavar="MIB",
+                   help="largest request body, in MiB (default: 8)")
+    g.add_argument("--max-json-values", type=int, default=None, metavar="N",
+                   help="JSON values a request body may hold (default: 8 x context size + 4096)")
+    g.add_argument("--body-timeout", type=float, default=30, metavar="SECONDS",
+                   help="time a request body may take to arrive (default: 30)")
+    g.add_argument("--max-stops", type=int, default=16, metavar="N", help="stop strings per request (default: 16)")
+    g.add_argument("--max-stop-chars", type=int, default=256, metavar="N",
+                   help="characters per stop string (default: 256)")
+    g.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="characters a prompt may have before tokenizing (default: context size x the longest "
+                        "token's characters, which no fitting prompt exceeds)")
+    g.add_argument("--chat-template-timeout", type=float, default=5, metavar="SECONDS",
+                   help="time the model's chat template may take to render a conversation (default: 5)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:N]: where hot neurons and attention run")
     p.add_argument("--vram-budget", default=None, metavar="SIZE",
                    help="accelerator memory to use, e.g. 4GiB, 512MiB, or a number of GiB (default: free memory minus a margin)")
@@ -48,14 +69,38 @@ def run(a: argparse.Namespace) -> int:
         raise SparseInferError(f"--parallel must be >= 1 (got {a.parallel})")
     from ..server.app import Settings
 
+    limits = limits_from_args(a)  # before the load, which can take a while
     t0 = time.perf_counter()
     llm = load_from_args(a, report=False, n_seq=a.parallel)
-    settings = Settings.for_model(llm, a.model, a.alias, a.api_key)
+    settings = Settings.for_model(llm, a.model, a.alias, a.api_key, limits)
     print(f"loaded {settings.model_id} ({llm.info.path}) in {time.perf_counter() - t0:.1f}s; "
           f"{a.parallel} slot(s) x {llm.ctx_size} tokens", file=sys.stderr)
     serve(llm, settings, host=a.host, port=a.port, parallel=a.parallel, max_queue=a.max_queue,
           log_level="debug" if a.verbose else "info")
     return 0
+
+
+def limits_from_args(a: argparse.Namespace):
+    """The server's `Limits` from the options; a bad value is an error naming the option."""
+    from ..server.limits import Limits, split_list
+
+    for opt, value in (("--max-body", a.max_body), ("--body-timeout", a.body_timeout),
+                       ("--max-stops", a.max_stops), ("--max-stop-chars", a.max_stop_chars),
+                       ("--chat-template-timeout", a.chat_template_timeout)):
+        if not value > 0:
+            raise SparseInferError(f"{opt} must be more than 0 (got {value})")
+    for opt, value in (("--max-prompt-chars", a.max_prompt_chars), ("--max-json-values", a.max_json_values)):
+        if value is not None and value < 1:
+            raise SparseInferError(f"{opt} must be at least 1 (got {value})")
+    origins = split_list(a.allowed_origins)
+    bad = [o for o in origins if o != "*" and not o.lower().startswith(("http://", "https://"))]
+    if bad:
+        raise SparseInferError(f"--allowed-origins takes origins like http://localhost:3000 (got {bad[0]!r})")
+    return Limits(max_body_bytes=int(a.max_body * (1 << 20)), body_timeout_s=a.body_timeout,
+                  max_stops=a.max_stops, max_stop_chars=a.max_stop_chars, max_prompt_chars=a.max_prompt_chars,
+                  max_json_values=a.max_json_values,
+                  chat_template_timeout_s=a.chat_template_timeout, allowed_hosts=split_list(a.allowed_hosts),
+                  allowed_origins=tuple(o.lower().rstrip("/") for o in origins))
 
 
 def main(argv: list[str] | None = None) -> int:

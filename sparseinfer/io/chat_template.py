@@ -5,12 +5,16 @@ a sandboxed Jinja2 environment with `trim_blocks`/`lstrip_blocks`, the `loopcont
 a `tojson` filter that does not HTML-escape, the globals `raise_exception` and `strftime_now`,
 and the variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools`, `documents`.
 Templates are untrusted code from model files, hence the (immutable) sandbox, and the inputs are
-rebuilt from plain JSON-like types before the template sees them.
+rebuilt from plain JSON-like types before the template sees them. The sandbox does not bound
+running time (nested loops over a long message can run for hours): `render(time_limit=...)` does.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import time
+from contextlib import contextmanager
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping
@@ -24,6 +28,43 @@ class NoChatTemplateError(SparseInferError):
 
 class ChatTemplateError(SparseInferError):
     """A chat template failed to compile or render (or called `raise_exception`)."""
+
+
+class ChatTemplateTimeout(ChatTemplateError):
+    """A chat template ran past its time limit."""
+
+
+class _OverTime(Exception):
+    """Raised inside a template's code when its time is up (never escapes `render`)."""
+
+
+TEMPLATE_FILENAME = "<template>"  # the file name jinja2 gives code compiled from a string
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Stop template code that runs past `seconds`, by tracing this thread's template frames.
+
+    Jinja2 compiles templates to Python whose loops run lines on every pass, so a line event of a
+    template frame is where an over-long render is stopped; other frames (filters, jinja2's
+    runtime) are not traced line by line. The thread's previous trace function is restored.
+    """
+    deadline = time.monotonic() + seconds
+
+    def in_template(frame, event, arg):
+        if event == "line" and time.monotonic() > deadline:
+            raise _OverTime
+        return in_template
+
+    def on_call(frame, event, arg):
+        return in_template if frame.f_code.co_filename == TEMPLATE_FILENAME else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _plain(value: Any) -> Any:
@@ -108,8 +149,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list | None = None,
         documents: list | None = None,
+        time_limit: float | None = None,
         **kwargs: Any,
     ) -> str:
+        """The conversation as prompt text. `time_limit` (seconds, None = no limit) stops a
+        template that runs longer with `ChatTemplateTimeout`."""
         if not isinstance(messages, (list, tuple)):
             raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
         msgs = _plain(list(messages))
@@ -126,7 +170,12 @@ class ChatTemplate:
             eos_token=self.eos_token,
         )
         try:
-            return self._template.render(**variables)
+            if time_limit is None:
+                return self._template.render(**variables)
+            with _time_limit(time_limit):
+                return self._template.render(**variables)
+        except _OverTime:
+            raise ChatTemplateTimeout(f"the model's chat template did not finish within {time_limit:g} s") from None
         except Exception as e:
             raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
 

@@ -693,9 +693,11 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         template_name: str | None = None,
+        time_limit: float | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render a conversation with the model's chat template (raises NoChatTemplateError if it has none)."""
+        """Render a conversation with the model's chat template (raises NoChatTemplateError if it has
+        none; `time_limit` in seconds, see `ChatTemplate.render`)."""
         if not self.chat_templates:
             raise NoChatTemplateError(
                 "the model has no chat template (no tokenizer.chat_template in the GGUF / no chat_template in "
@@ -710,7 +712,7 @@ class Tokenizer:
                 )
             tpl = ChatTemplate(source, bos_token=self.bos_token, eos_token=self.eos_token)
             self._compiled_templates[template_name] = tpl
-        return tpl.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return tpl.render(messages, add_generation_prompt=add_generation_prompt, time_limit=time_limit, **kwargs)
 
     def __repr__(self) -> str:
         return (

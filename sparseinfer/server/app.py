@@ -14,35 +14,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from ..errors import SparseInferError
 from . import protocol as P
 from .engine import Engine, EngineBusyError, EngineStoppedError, GenParams, Sequence
-from .prepare import chat_prompt_ids, check_supported, completion_prompt_ids, gen_params
+from .limits import Limits, count_json_values, host_allowed, host_name, origin_allowed
+from .prepare import chat_prompt_ids, check_supported, completion_prompt_ids, gen_params, longest_token_chars
 from .sse import SSEResponse, sse_data
 from .webui import PAGE
 
 log = logging.getLogger("sparseinfer.server")
 
-MAX_BODY_BYTES = 8 << 20  # far more text than any context holds
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 ENDPOINTS = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
 class Settings:
-    """What the server says about itself; `model_id` is the name clients pass as `model`."""
+    """What the server says about itself; `model_id` is the name clients pass as `model`.
+    `limits` are read per request."""
 
     model_id: str
     model_aliases: tuple[str, ...] = ()  # also accepted as `model` (the file name, its path)
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def served_names(self) -> set[str]:
@@ -50,14 +56,14 @@ class Settings:
 
     @classmethod
     def for_model(cls, llm, requested: str | None = None, alias: str | None = None,
-                  api_key: str | None = None) -> "Settings":
+                  api_key: str | None = None, limits: Limits | None = None) -> "Settings":
         """The id is `alias` or the model file's name without extension; its file name, its path
         and the name it was loaded by (`-m`) are accepted too."""
         path = Path(llm.info.path)
         stem = path.stem if path.suffix == ".gguf" else path.name
         names = {stem, path.name, str(path), *([requested] if requested else [])}
         model_id = alias or stem
-        return cls(model_id, tuple(sorted(names - {model_id})), api_key or None)
+        return cls(model_id, tuple(sorted(names - {model_id})), api_key or None, limits=limits or Limits())
 
 
 def create_app(settings: Settings, engine: Engine) -> FastAPI:
@@ -69,7 +75,10 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         engine.stop()
 
     app = FastAPI(title="sparseinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(GateMiddleware, settings=settings, engine=engine)
+    if settings.limits.allowed_origins:  # CORS headers and preflights for the origins allowed
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.limits.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(GateMiddleware, settings=settings, engine=engine)  # added last: runs first
     _add_error_handlers(app)
     _add_info_routes(app, settings, engine)
     _add_generation_routes(app, settings, engine)
@@ -78,8 +87,9 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
 
 # ----------------------------------------------------------------------------- middleware
 class GateMiddleware:
-    """API key on /v1/*, and request counts by endpoint and status for /metrics (pure ASGI, so
-    streaming and disconnect detection pass through untouched)."""
+    """Host and Origin checks, the API key on /v1/*, JSON bodies on POST /v1/*, and request counts
+    by endpoint and status for /metrics (pure ASGI, so streaming and disconnect detection pass
+    through untouched)."""
 
     def __init__(self, app, settings: Settings, engine: Engine):
         self.app, self.settings, self.metrics = app, settings, engine.metrics
@@ -97,22 +107,47 @@ class GateMiddleware:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and not self._authorized(scope):
-                err = P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                 None, "invalid_api_key")
-                await JSONResponse(err.body(), 401)(scope, receive, send_counted)
+            err = self._refusal(scope)
+            if err is not None:
+                await JSONResponse(err.body(), err.status)(scope, receive, send_counted)
             else:
                 await self.app(scope, receive, send_counted)
         finally:
             self.metrics.request(path if path in ENDPOINTS else "other", status)
 
-    def _authorized(self, scope) -> bool:
+    def _refusal(self, scope) -> P.APIError | None:
+        """Why the request is refused before routing, or None."""
+        limits, headers = self.settings.limits, Headers(scope=scope)
+        path, method = scope["path"], scope["method"]
+        host, origin = headers.get("host"), headers.get("origin")
+        if not host_allowed(host, limits.allowed_hosts):
+            name = host_name(host)
+            return P.APIError(403, f"this server does not answer to the host name {name!r} (Host header); "
+                              f"if that is how clients reach it, restart it with --allowed-hosts {name}",
+                              None, "host_not_allowed")
+        if not origin_allowed(origin, host, limits.allowed_origins):
+            return P.APIError(403, f"requests from web pages of {origin} are refused (cross-origin); to let "
+                              f"them use this server, restart it with --allowed-origins {origin}",
+                              None, "origin_not_allowed")
+        if method == "OPTIONS" or not path.startswith("/v1/"):  # a CORS preflight carries no credentials
+            return None
+        if not self._authorized(headers):
+            return P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              None, "invalid_api_key")
+        if method == "POST":
+            ctype = headers.get("content-type")
+            if ctype is None or ctype.split(";")[0].strip().lower() != "application/json":
+                got = f"Content-Type {ctype!r}" if ctype else "no Content-Type"
+                return P.APIError(415, f"the request has {got}: send the body as JSON with "
+                                  "'Content-Type: application/json'", None, "unsupported_media_type")
+        return None
+
+    def _authorized(self, headers: Headers) -> bool:
         key = self.settings.api_key
         if not key:
             return True
-        headers = dict(scope.get("headers") or [])
-        got = headers.get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
+        got = headers.get("authorization", "")
+        return hmac.compare_digest(got.encode("latin-1"), f"Bearer {key}".encode())
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -124,6 +159,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return JSONResponse(P.APIError(e.status_code, str(e.detail), None, code).body(), e.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, e: ClientDisconnect):
+        log.debug("the client left before sending the whole request body")
+        return Response(status_code=499)  # nobody reads it; counted in /metrics as 499
 
     @app.exception_handler(RequestValidationError)
     async def request_error(_: Request, e: RequestValidationError):
@@ -164,34 +204,61 @@ def _add_info_routes(app: FastAPI, settings: Settings, engine: Engine) -> None:
 
 
 # ----------------------------------------------------------------------------- generation routes
-async def _parse(request: Request, cls):
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise P.APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", None, "request_too_large")
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The body, at most `max_body_bytes` of it, arriving within `body_timeout_s`."""
+    body, cap = bytearray(), limits.max_body_bytes
     try:
-        return cls.model_validate_json(bytes(body))
+        with anyio.fail_after(limits.body_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > cap:
+                    raise P.APIError(413, f"the request body is over {cap / (1 << 20):g} MiB (the server's "
+                                     "--max-body); send a shorter prompt", None, "request_too_large")
+    except TimeoutError:
+        raise P.APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s (the "
+                         "server's --body-timeout); send the whole body at once", None, "request_timeout") from None
+    return bytes(body)
+
+
+def _validate(cls, body: bytes, max_values: int):
+    """The request model of `body`, unless it holds more JSON values than `max_values`."""
+    n = count_json_values(body, max_values)
+    if n > max_values:
+        raise P.APIError(413, f"the request body holds about {n} JSON values, more than the {max_values} this "
+                         "server parses (--max-json-values); send fewer messages, parts or token ids", None,
+                         "request_too_large")
+    try:
+        return cls.model_validate_json(body)
     except ValidationError as e:
         raise P.validation_error(e) from None
 
 
+async def _parse(request: Request, cls, limits: Limits, ctx_size: int):
+    """Read and validate the body, off the event loop (a large one takes a while to parse)."""
+    body = await _read_body(request, limits)
+    return await run_in_threadpool(_validate, cls, body, limits.json_values(ctx_size))
+
+
 def _add_generation_routes(app: FastAPI, settings: Settings, engine: Engine) -> None:
     llm, names = engine.llm, settings.served_names
+    longest = longest_token_chars(llm.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = await _parse(request, P.ChatCompletionRequest)
-        check_supported(req, settings.model_id, names)
-        ids = await run_in_threadpool(chat_prompt_ids, llm, req)
+        limits = settings.limits
+        req = await _parse(request, P.ChatCompletionRequest, limits, llm.ctx_size)
+        check_supported(req, settings.model_id, names, limits)
+        ids = await run_in_threadpool(chat_prompt_ids, llm, req, limits.prompt_chars(llm.ctx_size, longest),
+                                      limits.chat_template_timeout_s)
         params = gen_params(llm, req, ids, "messages")
         return await _serve(request, engine, params, req, ChatStream(settings.model_id, req.include_usage()))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = await _parse(request, P.CompletionRequest)
-        check_supported(req, settings.model_id, names)
-        ids = await run_in_threadpool(completion_prompt_ids, llm, req)
+        limits = settings.limits
+        req = await _parse(request, P.CompletionRequest, limits, llm.ctx_size)
+        check_supported(req, settings.model_id, names, limits)
+        ids = await run_in_threadpool(completion_prompt_ids, llm, req, limits.prompt_chars(llm.ctx_size, longest))
         params = gen_params(llm, req, ids, "prompt")
         return await _serve(request, engine, params, req, TextStream(settings.model_id, req.include_usage()))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import sys
+from dataclasses import replace
 
 from ..errors import SparseInferError
 
@@ -20,7 +21,8 @@ def require_extras() -> None:
 
 def serve(llm, settings, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1, max_queue: int = 64,
           log_level: str = "info") -> None:
-    """Serve `llm` (loaded with n_seq=`parallel`) as `settings` (`server.app.Settings`) on host:port."""
+    """Serve `llm` (loaded with n_seq=`parallel`) as `settings` (`server.app.Settings`) on host:port.
+    The name bound is added to `settings.limits.allowed_hosts`."""
     require_extras()
     import uvicorn
 
@@ -31,6 +33,12 @@ def serve(llm, settings, host: str = "127.0.0.1", port: int = 8080, parallel: in
         raise SparseInferError(f"--parallel must be >= 1 (got {parallel})")
     if not settings.api_key and not _is_loopback(host):
         print(f"warning: serving on {host} without --api-key: anyone who can reach it may use it", file=sys.stderr)
+    limits = settings.limits
+    if host and host not in ("0.0.0.0", "::") and host not in limits.allowed_hosts:
+        settings.limits = limits = replace(limits, allowed_hosts=limits.allowed_hosts + (host,))
+    if not _is_loopback(host) and "*" not in limits.allowed_hosts:
+        print("note: clients that reach this server by a host name (not an IP address or localhost) "
+              "need it in --allowed-hosts", file=sys.stderr)
     app = create_app(settings, Engine(llm, parallel, max_queue))
     print(f"chat page and API at http://{_url_host(host)}:{port}/", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
