@@ -162,43 +162,10 @@ class SparsityPack:
         where = self.path or "(in memory)"
         if not self.layers:
             raise _bad(where, "no layers")
-        d_model = self.model.get("d_model")
         for i, lp in enumerate(self.layers):
-            at = f"layer {i}"
-            if not _finite_number(lp.threshold) or lp.threshold < 0:
-                raise _bad(where, f"{at} has threshold {_show(lp.threshold)}; thresholds are finite and >= 0")
-            if not _finite_number(lp.tau):
-                raise _bad(where, f"{at} has predictor cut (tau) {_show(lp.tau)}; it must be a finite number")
-            if lp.policy not in POLICIES:
-                raise _bad(where, f"{at} has decode policy {_show(lp.policy)}; expected one of {', '.join(POLICIES)}")
-            _check_stats(lp.stats, where, at)
-            n = lp.order.numel()
-            if lp.order.dim() != 1 or n < 1 or lp.order.dtype.is_floating_point or lp.order.dtype == torch.bool:
-                raise _bad(where, f"{at}: the neuron order must be a non-empty 1-d integer tensor")
-            if not torch.equal(lp.order.long().sort().values, torch.arange(n)):
-                raise _bad(where, f"{at}: the neuron order is not a permutation of 0..{n - 1}")
-            if tuple(lp.freq.shape) != (n,) or not lp.freq.dtype.is_floating_point:
-                raise _bad(where, f"{at}: activation frequencies have shape {tuple(lp.freq.shape)}, expected ({n},)")
-            if not bool(((lp.freq >= 0) & (lp.freq <= 1)).all()):  # NaN fails both comparisons
-                raise _bad(where, f"{at}: activation frequencies must lie in [0, 1]")
-            s = lp.predictor_state
-            if s is None:
-                continue
-            if set(s) != set(PRED_KEYS):
-                raise _bad(where, f"{at}: the predictor has parts {sorted(s)}, expected {list(PRED_KEYS)}")
-            w1 = s["w1"]
-            r, d = tuple(w1.shape) if w1.dim() == 2 else (0, 0)
-            want = {"w1": (r, d), "b1": (r,), "w2": (n, r), "b2": (n,)}
-            if r < 1 or d < 1 or (isinstance(d_model, int) and d != d_model):
-                raise _bad(where, f"{at}: predictor w1 has shape {tuple(w1.shape)}, expected (hidden, {d_model})")
-            for k in PRED_KEYS:
-                if tuple(s[k].shape) != want[k]:
-                    raise _bad(where, f"{at}: predictor {k} has shape {tuple(s[k].shape)}, expected {want[k]}")
-                if not s[k].dtype.is_floating_point or not bool(torch.isfinite(s[k]).all()):
-                    raise _bad(where, f"{at}: predictor {k} holds NaN or Inf (or is not a float tensor)")
-            cut = lp.tau - s["b2"].float()
-            if not bool(torch.isfinite(cut).all()):
-                raise _bad(where, f"{at}: the predictor cut (tau - b2) overflows")
+            _check_layer(lp, where, f"layer {i}")
+            if lp.predictor_state is not None:
+                _check_predictor(lp, where, f"layer {i}", self.model.get("d_model"))
 
     def check(self, source) -> None:
         """Refuse (SparsityPackError) a pack made for another model than `source`."""
@@ -352,6 +319,43 @@ def _check_header(meta: dict, header: dict, path) -> None:
     extra = sorted(set(header) - expected)
     if extra:
         raise _bad(path, f"tensors no layer uses ({_one_line(', '.join(extra[:3]))}{', ...' if len(extra) > 3 else ''})")
+
+
+def _check_layer(lp: LayerPack, where, at: str) -> None:
+    if not _finite_number(lp.threshold) or lp.threshold < 0:
+        raise _bad(where, f"{at} has threshold {_show(lp.threshold)}; thresholds are finite and >= 0")
+    if not _finite_number(lp.tau):
+        raise _bad(where, f"{at} has predictor cut (tau) {_show(lp.tau)}; it must be a finite number")
+    if lp.policy not in POLICIES:
+        raise _bad(where, f"{at} has decode policy {_show(lp.policy)}; expected one of {', '.join(POLICIES)}")
+    _check_stats(lp.stats, where, at)
+    n = lp.order.numel()
+    if lp.order.dim() != 1 or n < 1 or lp.order.dtype.is_floating_point or lp.order.dtype == torch.bool:
+        raise _bad(where, f"{at}: the neuron order must be a non-empty 1-d integer tensor")
+    if not torch.equal(lp.order.long().sort().values, torch.arange(n)):
+        raise _bad(where, f"{at}: the neuron order is not a permutation of 0..{n - 1}")
+    if tuple(lp.freq.shape) != (n,) or not lp.freq.dtype.is_floating_point:
+        raise _bad(where, f"{at}: activation frequencies have shape {tuple(lp.freq.shape)}, expected ({n},)")
+    if not bool(((lp.freq >= 0) & (lp.freq <= 1)).all()):  # NaN fails both comparisons
+        raise _bad(where, f"{at}: activation frequencies must lie in [0, 1]")
+
+
+def _check_predictor(lp: LayerPack, where, at: str, d_model) -> None:
+    s, n = lp.predictor_state, lp.n_neurons
+    if set(s) != set(PRED_KEYS):
+        raise _bad(where, f"{at}: the predictor has parts {sorted(s)}, expected {list(PRED_KEYS)}")
+    w1 = s["w1"]
+    r, d = tuple(w1.shape) if w1.dim() == 2 else (0, 0)
+    if r < 1 or d < 1 or (isinstance(d_model, int) and d != d_model):
+        raise _bad(where, f"{at}: predictor w1 has shape {tuple(w1.shape)}, expected (hidden, {_show(d_model)})")
+    want = {"w1": (r, d), "b1": (r,), "w2": (n, r), "b2": (n,)}
+    for k in PRED_KEYS:
+        if tuple(s[k].shape) != want[k]:
+            raise _bad(where, f"{at}: predictor {k} has shape {tuple(s[k].shape)}, expected {want[k]}")
+        if not s[k].dtype.is_floating_point or not bool(torch.isfinite(s[k]).all()):
+            raise _bad(where, f"{at}: predictor {k} holds NaN or Inf (or is not a float tensor)")
+    if not bool(torch.isfinite(lp.tau - s["b2"].float()).all()):
+        raise _bad(where, f"{at}: the predictor cut (tau - b2) overflows")
 
 
 def _check_stats(stats, where, at: str) -> None:
