@@ -6,7 +6,11 @@ scalar at run time, so the compile flags stay generic and the .so runs on any x8
 (other architectures get the scalar kernels).  If the compiler is missing or fails, the
 install still succeeds (`optional=True`) and `sparseinfer.kernels.cpu` falls back to the
 reference kernels with a warning.
+
+SPARSEINFER_SANITIZE=1 builds a test copy with AddressSanitizer and UBSan instead (`.ci/sanitize`
+builds it into a folder of its own and runs tests against it); that build must not fail quietly.
 """
+import os
 import sys
 
 from setuptools import Extension, setup
@@ -31,6 +35,11 @@ SOURCES = [
 
 compile_args = [] if sys.platform == "win32" else ["-O3", "-std=gnu11", "-fno-strict-aliasing", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
 link_args = [] if sys.platform == "win32" else ["-pthread", "-lm"]
+SANITIZE = os.environ.get("SPARSEINFER_SANITIZE") == "1"
+if SANITIZE:
+    san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+    compile_args = [a for a in compile_args if not a.startswith("-O")] + ["-O1", "-g"] + san
+    link_args = link_args + san
 
 setup(
     ext_modules=[
@@ -42,7 +51,7 @@ setup(
                      "sparseinfer/csrc/kern_avx512_impl.h", "sparseinfer/csrc/attend_impl.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
-            optional=True,
+            optional=not SANITIZE,
         )
     ],
 )

@@ -31,14 +31,19 @@ def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 def replace_ffns(model: nn.Module, make: Callable[[int, MLP], nn.Module]) -> list[MLP]:
-    """Replace each dense `MLP` by `make(layer, mlp)`; return the MLPs (for `restore`)."""
+    """Replace each dense `MLP` by `make(layer, mlp)`; return the MLPs (for `restore`).  All or
+    nothing: if `make` raises, the layers already replaced get their MLPs back."""
     originals = []
-    for i, (parent, name) in enumerate(ffn_slots(model)):
-        mlp = getattr(parent, name)
-        if not isinstance(mlp, MLP):
-            raise SparsityPackError("the model is already sparsified; load it again with dense=True")
-        originals.append(mlp)
-        setattr(parent, name, make(i, mlp))
+    try:
+        for i, (parent, name) in enumerate(ffn_slots(model)):
+            mlp = getattr(parent, name)
+            if not isinstance(mlp, MLP):
+                raise SparsityPackError("the model is already sparsified; load it again with dense=True")
+            originals.append(mlp)
+            setattr(parent, name, make(i, mlp))
+    except BaseException:
+        restore(model, originals)
+        raise
     return originals
 
 
@@ -72,10 +77,19 @@ def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float 
         return SparseFFN(mlp, layer.threshold, layer.order, layer.predictor(for_ranking=density is not None),
                          mode=mode, density=density, expected_density=float(layer.freq.float().mean()))
 
-    replace_ffns(model, make)
+    if pack is not None:  # every layer checked before any is replaced
+        mlps = [getattr(p, n) for p, n in ffn_slots(model)]
+        if not all(isinstance(m, MLP) for m in mlps):
+            raise SparsityPackError("the model is already sparsified; load it again with dense=True")
+        pack.check_model(mlps)
+    originals = replace_ffns(model, make)
     if build_decode:  # the neuron-major copies and records, now rather than inside the first decode
-        for ffn in sparse_ffns(model):
-            ffn.build_decode_layout()
+        try:
+            for ffn in sparse_ffns(model):
+                ffn.build_decode_layout()
+        except BaseException:
+            restore(model, originals)
+            raise
     return model
 
 

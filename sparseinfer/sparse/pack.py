@@ -11,6 +11,7 @@ the header key ``sparseinfer.pack`` holds the format version, the model fingerpr
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from ..errors import SparsityPackError
 FORMAT_VERSION = 1
 META_KEY = "sparseinfer.pack"
 PRED_KEYS = ("w1", "b1", "w2", "b2")
+POLICIES = ("predictor", "first")
+ACTIVATION_SOURCES = ("relu", "threshold")
 
 
 def _umask() -> int:
@@ -109,6 +112,10 @@ class SparsityPack:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SparsityPack":
+        """Read and validate a pack (see `validate_parts`): a file that is not a well-formed pack
+        raises `SparsityPackError`.  Reading runs no code from the file (safetensors, JSON) and
+        allocates no more than the file holds: the header's names, types and shapes are checked
+        before any tensor is read."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -116,53 +123,86 @@ class SparsityPack:
             with safe_open(str(path), framework="pt") as f:
                 raw = (f.metadata() or {}).get(META_KEY)
                 if raw is None:
-                    raise SparsityPackError(f"{path} is a safetensors file but not a sparsity pack (no {META_KEY!r} metadata)")
+                    raise SparsityPackError(f"{path} is a safetensors file but not a sparsity pack (no {META_KEY!r} "
+                                            "metadata); make one with `sparseinfer prepare MODEL`")
                 meta = json.loads(raw)
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError, json.JSONDecodeError, ValueError) as e:
-            if isinstance(e, SparsityPackError):
-                raise
-            raise SparsityPackError(f"cannot read sparsity pack {path}: {e}; make it again with `sparseinfer prepare`") from None
-        return cls._from_parts(meta, tensors, path)
+                _check_meta(meta, path)
+                header = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+                _check_header(meta, header, path)
+                tensors = {k: f.get_tensor(k) for k in header}
+        except SparsityPackError:
+            raise
+        except (SafetensorError, OSError, ValueError, TypeError, RecursionError, OverflowError, RuntimeError) as e:
+            # JSONDecodeError is a ValueError; RecursionError: absurdly nested JSON
+            raise _bad(path, f"cannot read it ({_one_line(e)})") from None
+        pack = cls._from_parts(meta, tensors, path)
+        pack.validate()
+        return pack
 
     @classmethod
     def _from_parts(cls, meta: dict, tensors: dict, path: Path) -> "SparsityPack":
-        version = meta.get("format_version")
-        if version != FORMAT_VERSION:
-            raise SparsityPackError(f"{path}: sparsity pack format {version} is not supported (this version "
-                                    f"reads {FORMAT_VERSION}); make it again with `sparseinfer prepare`")
+        """A pack from checked metadata (`_check_meta`) and tensors (`_check_header`)."""
         layers = []
         for i, lm in enumerate(meta["layers"]):
-            try:
-                pred = None
-                if f"layer.{i}.pred.w1" in tensors:
-                    pred = {k: tensors[f"layer.{i}.pred.{k}"].float() for k in PRED_KEYS}
-                layers.append(LayerPack(float(lm["threshold"]), tensors[f"layer.{i}.freq"].float(),
-                                        tensors[f"layer.{i}.order"].long(), pred, float(lm["tau"]), lm.get("stats", {}),
-                                        lm.get("policy", "predictor")))
-            except KeyError as e:
-                raise SparsityPackError(f"{path}: sparsity pack is missing {e} (truncated or corrupt)") from None
+            pred = None
+            if f"layer.{i}.pred.w1" in tensors:
+                pred = {k: tensors[f"layer.{i}.pred.{k}"].float() for k in PRED_KEYS}
+            layers.append(LayerPack(float(lm["threshold"]), tensors[f"layer.{i}.freq"].float(),
+                                    tensors[f"layer.{i}.order"].long(), pred, float(lm["tau"]), lm.get("stats", {}),
+                                    lm.get("policy", "predictor")))
         return cls(meta["fingerprint"], meta["model"], meta["activation_source"], layers,
                    meta.get("calibration", {}), meta.get("info", {}), path)
 
     # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Refuse (SparsityPackError) values no `sparseinfer prepare` writes: thresholds that are
+        negative or not finite, a tau that is not finite, frequencies outside [0, 1], a neuron
+        order that is not a permutation, predictor shapes that do not fit the layer, NaN/Inf in
+        predictor weights, measured fractions outside [0, 1]."""
+        where = self.path or "(in memory)"
+        if not self.layers:
+            raise _bad(where, "no layers")
+        for i, lp in enumerate(self.layers):
+            _check_layer(lp, where, f"layer {i}")
+            if lp.predictor_state is not None:
+                _check_predictor(lp, where, f"layer {i}", self.model.get("d_model"))
+
     def check(self, source) -> None:
         """Refuse (SparsityPackError) a pack made for another model than `source`."""
         fp = source.fingerprint()
         if fp != self.fingerprint:
             raise SparsityPackError(
-                f"sparsity pack {self.path or ''} belongs to another model ({self.model.get('name', '?')}, "
-                f"fingerprint {self.fingerprint}), not {source.path} (fingerprint {fp}); make one for this "
+                f"sparsity pack {self.path or ''} belongs to another model ({_one_line(self.model.get('name', '?'), 60)}, "
+                f"fingerprint {_one_line(self.fingerprint, 40)}), not {source.path} (fingerprint {fp}); make one for this "
                 f"model with `sparseinfer prepare {source.path}` or run with --dense")
         c = source.config
         if len(self.layers) != c.num_hidden_layers or self.model.get("d_model") != c.hidden_size:
             raise SparsityPackError(f"sparsity pack {self.path or ''} does not match the model's shape "
-                                    f"({len(self.layers)} layers, d_model {self.model.get('d_model')})")
+                                    f"({len(self.layers)} layers, d_model {_show(self.model.get('d_model'))}; the model: "
+                                    f"{c.num_hidden_layers} layers, d_model {c.hidden_size}); make one for this model "
+                                    f"with `sparseinfer prepare {source.path}` or run with --dense")
+
+    def check_model(self, mlps) -> None:
+        """Refuse (SparsityPackError) a pack whose layers do not fit `mlps`, the model's dense
+        FFNs in layer order: their count, each one's neurons and input width."""
+        where = self.path or "(in memory)"
+        fix = "make one for this model with `sparseinfer prepare MODEL` or run with --dense"
+        if len(mlps) != len(self.layers):
+            raise SparsityPackError(f"sparsity pack {where} has {len(self.layers)} layers, the model "
+                                    f"{len(mlps)}; {fix}")
+        for i, mlp in enumerate(mlps):
+            self.check_layer(i, mlp.n_neurons)
+            s = self.layers[i].predictor_state
+            width = mlp.up.in_features
+            if s is not None and s["w1"].shape[-1] != width:
+                raise SparsityPackError(f"sparsity pack {where}: layer {i}'s predictor reads {s['w1'].shape[-1]} "
+                                        f"inputs, the model's FFN {width}; {fix}")
 
     def check_layer(self, i: int, n_neurons: int) -> None:
         if self.layers[i].n_neurons != n_neurons:
             raise SparsityPackError(f"sparsity pack {self.path or ''}: layer {i} has {self.layers[i].n_neurons} "
-                                    f"neurons, the model {n_neurons}")
+                                    f"neurons, the model {n_neurons}; make one for this model with "
+                                    "`sparseinfer prepare MODEL` or run with --dense")
 
     # ------------------------------------------------------------------ summaries
     @property
@@ -173,3 +213,157 @@ class SparsityPack:
     def mean_stat(self, key: str) -> float:
         vals = [lp.stats[key] for lp in self.layers if key in lp.stats]
         return sum(vals) / len(vals) if vals else float("nan")
+
+
+# ---------------------------------------------------------------------------- checks of a file's parts
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+INT_DTYPES = frozenset({"I8", "U8", "I16", "I32", "I64"})
+# stats entries that are fractions (measured on held-out tokens, or profiled)
+FRACTION_STATS = ("recall", "precision", "density_predicted", "density_true", "density", "hot80", "dead",
+                  "max_freq")
+
+
+def _one_line(e, limit: int = 160) -> str:
+    """`e` as one line of at most about `limit` characters (a file can hold anything)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show(x) -> str:
+    """A value from the file for an error message: its repr, one short line."""
+    return _one_line(repr(x), 40)
+
+
+def _bad(path, what: str) -> SparsityPackError:
+    return SparsityPackError(f"sparsity pack {path}: {what}; make it again with `sparseinfer prepare`")
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_meta(meta, path) -> None:
+    """The JSON metadata's structure and types (values that matter for decode are checked by
+    `SparsityPack.validate`)."""
+    if not isinstance(meta, dict):
+        raise _bad(path, "its metadata is not a JSON object")
+    version = meta.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise SparsityPackError(f"{path}: sparsity pack format {_show(version)} is not supported (this version "
+                                f"reads {FORMAT_VERSION}); make it again with `sparseinfer prepare`")
+    for key, typ, name in (("fingerprint", str, "a string"), ("model", dict, "an object"),
+                           ("activation_source", str, "a string"), ("layers", list, "a list")):
+        if not isinstance(meta.get(key), typ):
+            raise _bad(path, f"its metadata has no {_show(key)} ({name})")
+    for key in ("calibration", "info"):
+        if not isinstance(meta.get(key, {}), dict):
+            raise _bad(path, f"its {_show(key)} metadata is not an object")
+    if meta["activation_source"] not in ACTIVATION_SOURCES:
+        raise _bad(path, f"activation source {_show(meta['activation_source'])}; expected one of "
+                         f"{', '.join(ACTIVATION_SOURCES)}")
+    model = meta["model"]
+    for key in ("n_layers", "d_model", "n_neurons"):
+        if key in model and (type(model[key]) is not int or model[key] < 1):
+            raise _bad(path, f"model {key} is {_show(model[key])}; expected a positive integer")
+    if not meta["layers"]:
+        raise _bad(path, "no layers")
+    if "n_layers" in model and model["n_layers"] != len(meta["layers"]):
+        raise _bad(path, f"describes {model['n_layers']} layers but holds {len(meta['layers'])}")
+    for i, lm in enumerate(meta["layers"]):
+        if not isinstance(lm, dict):
+            raise _bad(path, f"layer {i}'s metadata is not an object")
+        for key in ("threshold", "tau"):
+            if not _finite_number(lm.get(key)):
+                raise _bad(path, f"layer {i} has {key} {_show(lm.get(key))}; expected a finite number")
+        if lm.get("policy", "predictor") not in POLICIES:
+            raise _bad(path, f"layer {i} has decode policy {_show(lm.get('policy'))}; expected one of {', '.join(POLICIES)}")
+        if not isinstance(lm.get("stats", {}), dict):
+            raise _bad(path, f"layer {i}'s stats are not an object")
+
+
+def _check_header(meta: dict, header: dict, path) -> None:
+    """Tensor names, dtypes and shapes, before any tensor is read: every layer has its
+    frequencies and order, of one length, and either no predictor or all four parts in shapes
+    that fit together; no other tensors."""
+    expected = set()
+    width = None
+    for i in range(len(meta["layers"])):
+        names = [f"layer.{i}.freq", f"layer.{i}.order"] + [f"layer.{i}.pred.{k}" for k in PRED_KEYS]
+        have = [k in header for k in names]
+        if not all(have[:2]):
+            raise _bad(path, f"layer {i} is missing {_show(names[have.index(False)])} (truncated or corrupt)")
+        if any(have[2:]) and not all(have[2:]):
+            raise _bad(path, f"layer {i} has only part of a predictor (missing {_show(names[2 + have[2:].index(False)])})")
+        expected.update(n for n, h in zip(names, have) if h)
+        (fdt, fshape), (odt, oshape) = header[names[0]], header[names[1]]
+        if fdt not in FLOAT_DTYPES or len(fshape) != 1 or fshape[0] < 1:
+            raise _bad(path, f"layer {i}: activation frequencies are {fdt} {list(fshape)}, expected a float vector")
+        if odt not in INT_DTYPES or oshape != fshape:
+            raise _bad(path, f"layer {i}: the neuron order is {odt} {list(oshape)}, expected an integer vector of "
+                             f"{fshape[0]}")
+        if not have[2]:
+            continue
+        n = fshape[0]
+        (_, w1), (_, b1), (_, w2), (_, b2) = (header[k] for k in names[2:])
+        r = w1[0] if len(w1) == 2 else 0
+        d = w1[1] if len(w1) == 2 else 0
+        want = {"w1": (r, d), "b1": (r,), "w2": (n, r), "b2": (n,)}
+        for k, name in zip(PRED_KEYS, names[2:]):
+            dt, shape = header[name]
+            if dt not in FLOAT_DTYPES or r < 1 or d < 1 or shape != want[k]:
+                raise _bad(path, f"layer {i}: predictor {k} is {dt} {list(shape)}, expected a float tensor of shape "
+                                 f"{list(want[k]) if r >= 1 and d >= 1 else '(hidden, width)'}")
+        if width is not None and d != width:
+            raise _bad(path, f"layer {i}'s predictor reads {d} inputs, an earlier layer's {width}")
+        width = d
+    extra = sorted(set(header) - expected)
+    if extra:
+        raise _bad(path, f"tensors no layer uses ({_one_line(', '.join(extra[:3]))}{', ...' if len(extra) > 3 else ''})")
+
+
+def _check_layer(lp: LayerPack, where, at: str) -> None:
+    if not _finite_number(lp.threshold) or lp.threshold < 0:
+        raise _bad(where, f"{at} has threshold {_show(lp.threshold)}; thresholds are finite and >= 0")
+    if not _finite_number(lp.tau):
+        raise _bad(where, f"{at} has predictor cut (tau) {_show(lp.tau)}; it must be a finite number")
+    if lp.policy not in POLICIES:
+        raise _bad(where, f"{at} has decode policy {_show(lp.policy)}; expected one of {', '.join(POLICIES)}")
+    _check_stats(lp.stats, where, at)
+    n = lp.order.numel()
+    if lp.order.dim() != 1 or n < 1 or lp.order.dtype.is_floating_point or lp.order.dtype == torch.bool:
+        raise _bad(where, f"{at}: the neuron order must be a non-empty 1-d integer tensor")
+    if not torch.equal(lp.order.long().sort().values, torch.arange(n)):
+        raise _bad(where, f"{at}: the neuron order is not a permutation of 0..{n - 1}")
+    if tuple(lp.freq.shape) != (n,) or not lp.freq.dtype.is_floating_point:
+        raise _bad(where, f"{at}: activation frequencies have shape {tuple(lp.freq.shape)}, expected ({n},)")
+    if not bool(((lp.freq >= 0) & (lp.freq <= 1)).all()):  # NaN fails both comparisons
+        raise _bad(where, f"{at}: activation frequencies must lie in [0, 1]")
+
+
+def _check_predictor(lp: LayerPack, where, at: str, d_model) -> None:
+    s, n = lp.predictor_state, lp.n_neurons
+    if set(s) != set(PRED_KEYS):
+        raise _bad(where, f"{at}: the predictor has parts {sorted(s)}, expected {list(PRED_KEYS)}")
+    w1 = s["w1"]
+    r, d = tuple(w1.shape) if w1.dim() == 2 else (0, 0)
+    if r < 1 or d < 1 or (isinstance(d_model, int) and d != d_model):
+        raise _bad(where, f"{at}: predictor w1 has shape {tuple(w1.shape)}, expected (hidden, {_show(d_model)})")
+    want = {"w1": (r, d), "b1": (r,), "w2": (n, r), "b2": (n,)}
+    for k in PRED_KEYS:
+        if tuple(s[k].shape) != want[k]:
+            raise _bad(where, f"{at}: predictor {k} has shape {tuple(s[k].shape)}, expected {want[k]}")
+        if not s[k].dtype.is_floating_point or not bool(torch.isfinite(s[k]).all()):
+            raise _bad(where, f"{at}: predictor {k} holds NaN or Inf (or is not a float tensor)")
+    if not bool(torch.isfinite(lp.tau - s["b2"].float()).all()):
+        raise _bad(where, f"{at}: the predictor cut (tau - b2) overflows")
+
+
+def _check_stats(stats, where, at: str) -> None:
+    if not isinstance(stats, dict):
+        raise _bad(where, f"{at}'s stats are not an object")
+    for key in FRACTION_STATS:
+        if key in stats and not (_finite_number(stats[key]) and 0 <= stats[key] <= 1):
+            raise _bad(where, f"{at} has {key} {_show(stats[key])}; expected a fraction in [0, 1]")
+    for key in ("hidden", "predictor_bytes"):
+        if key in stats and (type(stats[key]) is not int or stats[key] < 0):
+            raise _bad(where, f"{at} has {key} {_show(stats[key])}; expected a non-negative integer")

@@ -48,6 +48,13 @@ class QPredictor:
 
     def __init__(self, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
                  tau: float, fmt: str = "q8"):
+        r = w1.shape[0] if w1.dim() == 2 else -1
+        if (r < 1 or tuple(b1.shape) != (r,) or w2.dim() != 2 or w2.shape[1] != r or w2.shape[0] < 1
+                or tuple(b2.shape) != (w2.shape[0],)):
+            raise ValueError(f"predictor shapes do not fit together: w1 {tuple(w1.shape)}, b1 {tuple(b1.shape)}, "
+                             f"w2 {tuple(w2.shape)}, b2 {tuple(b2.shape)} (expected (r, d), (r,), (n, r), (n,))")
+        if not math.isfinite(float(tau)):
+            raise ValueError(f"predictor cut tau must be finite, got {tau}")
         self.w1 = from_float(w1.float(), fmt)
         # W2 is stored transposed, (r, n): decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows`
         # over r long rows, which stream far better than `gemv` over n short rows of r values),
