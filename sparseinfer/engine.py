@@ -100,7 +100,7 @@ class LLM:
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
          sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
          device: str | None = "cpu", vram_budget: str | float | None = None, n_seq: int = 1,
-         act_mode: str = "auto") -> LLM:
+         act_mode: str = "auto", check_tensors: bool = False) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
@@ -110,7 +110,9 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     when torch sees a GPU) or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB", a
     number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`; n_seq: sequences
     alive at once (the server's slots), each with its own KV cache on the GPU; act_mode: how the
-    CPU kernels round activations for 4/8-bit weights, see `set_act_mode`."""
+    CPU kernels round activations for 4/8-bit weights, see `set_act_mode`; check_tensors: scan
+    every weight for NaN and infinities as it is read (a damaged file is an error, not garbage
+    output).  Every tensor's shape is checked against the config either way."""
     from .io.tokenizer import Tokenizer
 
     _check_act_mode(act_mode)  # before the load, which can take a while
@@ -118,7 +120,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     set_threads(n_threads)
     t0 = time.perf_counter()
     p = catalog.resolve(None if path is None else str(path))
-    src = open_source(p)
+    src = open_source(p, check_tensors=check_tensors)
     # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
     # run on every thread; decode then keeps torch at one (see `set_threads`)
     torch_threads = torch.get_num_threads()

@@ -139,7 +139,7 @@ class GGUFFile:
 
     def _take(self, n: int) -> memoryview:
         if n > self._left():
-            self._fail(f"{self._where} needs {n:,} bytes but only {self._left():,} are left (truncated header)")
+            self._fail(f"truncated GGUF header: {self._where} needs {n:,} bytes but only {self._left():,} are left")
         b = self._buf[self._pos : self._pos + n]
         self._pos += n
         return b
