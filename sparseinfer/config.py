@@ -243,7 +243,9 @@ def hf_dict_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
         raise ModelFormatError(f"GGUF general.architecture is {arch!r}; it must be a name: {_BAD_CONFIG}")
     g = lambda k, default=None: meta.get(f"{arch}.{GGUF_KEYS.get(k, k)}", default)  # noqa: E731
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = g("vocab_size") or (len(tokens) if isinstance(tokens, list) else 0) or None
+    vocab = g("vocab_size")
+    if vocab is None and isinstance(tokens, list) and tokens:
+        vocab = len(tokens)
     d: dict[str, Any] = {
         "model_type": arch,
         "max_position_embeddings": g("max_position_embeddings", 2048),

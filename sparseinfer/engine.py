@@ -11,12 +11,12 @@ import torch
 
 from . import catalog
 from .config import ModelConfig
-from .errors import ContextOverflowError, SparseInferError
+from .errors import ContextOverflowError, ModelFormatError, SparseInferError
 from .generate import (GenerationResponse, make_sampler, presence_frequency_penalty, repetition_penalty,
                        stream_generate as _stream)
 from .io.weights import WeightSource, open_source
 from .models.base import CausalLM
-from .models.registry import build_model
+from .models.registry import build_model, check_shapes
 
 
 @dataclass
@@ -113,14 +113,14 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     CPU kernels round activations for 4/8-bit weights, see `set_act_mode`; check_tensors: scan
     every weight for NaN and infinities as it is read (a damaged file is an error, not garbage
     output).  Every tensor's shape is checked against the config either way."""
-    from .io.tokenizer import Tokenizer
-
     _check_act_mode(act_mode)  # before the load, which can take a while
     n_threads = threads or os.cpu_count() or 1
     set_threads(n_threads)
     t0 = time.perf_counter()
     p = catalog.resolve(None if path is None else str(path))
     src = open_source(p, check_tensors=check_tensors)
+    check_shapes(src)  # (again in build_model) the model's problems before the tokenizer's
+    tok = _tokenizer(src)  # before the weights: a file's problems show before the long part
     # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
     # run on every thread; decode then keeps torch at one (see `set_threads`)
     torch_threads = torch.get_num_threads()
@@ -129,10 +129,6 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         with torch.inference_mode():
             model = build_model(src)
         set_act_mode(act_mode, model)
-        if hasattr(src, "metadata"):
-            tok = Tokenizer.from_gguf_metadata(src.metadata)
-        else:
-            tok = Tokenizer.from_folder(src.path)
         pack = None
         if not dense or density is not None:
             from .sparse.apply import apply_sparsity
@@ -151,6 +147,21 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         llm.model.build_steps()  # the decode plans, checked now rather than at the first token
     _settle_heap()
     return llm
+
+
+def _tokenizer(src: WeightSource):
+    """The tokenizer of a GGUF file's metadata or a folder's tokenizer files.  A GGUF's token
+    ids must all have embedding rows (llama.cpp's converter writes one row per token)."""
+    from .io.tokenizer import Tokenizer
+
+    if not hasattr(src, "metadata"):
+        return Tokenizer.from_folder(src.path)
+    tok = Tokenizer.from_gguf_metadata(src.metadata)
+    if tok.vocab_size > src.config.vocab_size:
+        raise ModelFormatError(
+            f"{src.path}: the tokenizer has {tok.vocab_size} tokens but the model only {src.config.vocab_size} "
+            "(embedding rows); the file is damaged or its tokenizer belongs to another model")
+    return tok
 
 
 def _settle_heap() -> None:
