@@ -176,11 +176,28 @@ def test_misaligned_offset(tmp_path):
     assert "tensor 'b' starts at data offset 260, not a multiple of the alignment 32" in load_error(p)
 
 
-@pytest.mark.parametrize("align", [0, 3, "x"])
+@pytest.mark.parametrize("align", [0, 3])
 def test_bad_alignment(tmp_path, align):
-    kv = KV("general.alignment", V.STRING if isinstance(align, str) else V.UINT32, align)
-    p = write_spec(minimal(kvs=[kv]), tmp_path / "al.gguf")
-    assert f"general.alignment is {align!r}; it must be a power of two" in load_error(p)
+    p = write_spec(minimal(kvs=[KV("general.alignment", V.UINT32, align)]), tmp_path / "al.gguf")
+    assert f"general.alignment is {align}; it must be a power of two" in load_error(p)
+
+
+@pytest.mark.parametrize("key,vtype,value,needle", [
+    ("general.alignment", V.STRING, "x", "key 'general.alignment' holds a string; it must hold an integer"),
+    ("general.architecture", V.UINT32, 7, "key 'general.architecture' holds an integer; it must hold a string"),
+    ("tokenizer.ggml.tokens", V.UINT32, 0, "key 'tokenizer.ggml.tokens' holds an integer; it must hold an array of strings"),
+    ("tokenizer.ggml.token_type", V.FLOAT32, 1.0, "holds a number; it must hold an array of integers"),
+    ("tokenizer.ggml.bos_token_id", V.STRING, "1", "key 'tokenizer.ggml.bos_token_id' holds a string; it must hold an integer"),
+])
+def test_metadata_of_the_wrong_type(tmp_path, key, vtype, value, needle):
+    spec = minimal()
+    spec.kvs = [k for k in spec.kvs if k.key != key] + [KV(key, vtype, value)]
+    assert needle in load_error(write_spec(spec, tmp_path / "kt.gguf"))
+
+
+def test_metadata_array_of_the_wrong_element_type(tmp_path):
+    p = write_spec(minimal(kvs=[KV("tokenizer.ggml.merges", V.ARRAY, [1, 2], V.INT32)]), tmp_path / "kt.gguf")
+    assert "key 'tokenizer.ggml.merges' holds other values; it must hold an array of strings" in load_error(p)
 
 
 # --------------------------------------------------------------------------- config vs tensors
@@ -260,8 +277,6 @@ def test_config_value_of_the_wrong_type(edit):
     assert "llama.attention.head_count is 'four'; it must be an integer > 0" in load_error(p)
     p = edit("llama", lambda s: s.set("llama.rope.freq_base", float("nan"), V.FLOAT32))
     assert "llama.rope.freq_base is nan; it must be a finite number > 0" in load_error(p)
-    p = edit("llama", lambda s: s.set("general.architecture", 7, V.UINT32))
-    assert "general.architecture is 7" in load_error(p)
 
 
 def test_per_layer_head_counts_are_unsupported(edit):

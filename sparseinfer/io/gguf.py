@@ -48,6 +48,32 @@ DEFAULT_ALIGNMENT = 32
 
 _DAMAGED = "the file is damaged or truncated; re-download or re-convert it"
 
+# The value each metadata key that sparseinfer reads must hold (the model's sizes are checked by
+# `config.config_from_gguf`): a key of another type is a damaged file, not a crash later.
+_IS = {
+    "a string": lambda v: isinstance(v, str),
+    "an integer": lambda v: type(v) is int,
+    "a boolean": lambda v: type(v) in (bool, int),
+    "a number": lambda v: type(v) in (int, float),
+}
+_PLURAL = {"a string": "strings", "an integer": "integers", "a number": "numbers"}
+KEY_TYPES = {
+    "general.architecture": ("a string", None), "general.alignment": ("an integer", None),
+    "tokenizer.ggml.model": ("a string", None), "tokenizer.ggml.pre": ("a string", None),
+    "tokenizer.ggml.tokens": ("array", "a string"), "tokenizer.ggml.merges": ("array", "a string"),
+    "tokenizer.ggml.token_type": ("array", "an integer"), "tokenizer.ggml.scores": ("array", "a number"),
+    "tokenizer.ggml.add_bos_token": ("a boolean", None), "tokenizer.ggml.add_eos_token": ("a boolean", None),
+    "tokenizer.ggml.add_space_prefix": ("a boolean", None), "tokenizer.chat_template": ("a string", None),
+    **{f"tokenizer.ggml.{t}_token_id": ("an integer", None)
+       for t in ("bos", "eos", "unknown", "eot", "eom", "padding", "seperator", "separator", "mask")},
+}
+
+
+def _kind(v) -> str:
+    if isinstance(v, list):
+        return f"an array of {len(v):,} values"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(type(v), type(v).__name__)
+
 
 class GGUFTensor:
     """One tensor's info and a lazy view of its bytes (like gguf's ReaderTensor, minus the cost)."""
@@ -114,6 +140,7 @@ class GGUFFile:
             names.add(name)
             self._where = f"tensor {name!r}"
             infos.append((name, *self._tensor_info(name)))
+        self._check_key_types()
         self.alignment = self._alignment()
         start = -(-self._pos // self.alignment) * self.alignment
         self.data_start = start
@@ -234,6 +261,20 @@ class GGUFFile:
         if shape[0] % block:
             self._fail(f"tensor {name!r} has {shape[0]} columns, not a multiple of the {qtype.name} block of {block}")
         return shape, qtype, offset, n_elements // block * type_bytes
+
+    def _check_key_types(self) -> None:
+        for key, (kind, element) in KEY_TYPES.items():
+            v = self.metadata.get(key)
+            if v is None:
+                continue
+            if element is None:
+                ok, want = _IS[kind](v), kind
+            else:
+                ok, want = isinstance(v, list) and all(map(_IS[element], v)), f"an array of {_PLURAL[element]}"
+            if not ok:
+                self._where = f"key {key!r}"
+                got = "other values" if isinstance(v, list) and element else _kind(v)
+                self._fail(f"key {key!r} holds {got}; it must hold {want}")
 
     def _alignment(self) -> int:
         a = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
