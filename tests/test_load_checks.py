@@ -419,3 +419,14 @@ def test_safetensors_damaged_index(tmp_path):
     (path / "model.safetensors.index.json").write_text('{"weight_map": 3}')
     with pytest.raises(ModelFormatError, match="not a safetensors index"):
         open_source(path)
+
+
+def test_trailing_unit_dims_are_the_same_tensor(edit, tiny_files):
+    """ggml pads shapes with 1s: a norm stored as [64, 1] is the (64,) norm, as llama.cpp reads it."""
+    def pad(s):
+        s.tensor("blk.0.attn_norm.weight").dims = [64, 1]
+        s.tensor("output_norm.weight").dims = [64, 1, 1, 1]
+
+    padded, plain = build_model(open_source(edit("llama", pad))), build_model(open_source(tiny_files["llama"]))
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.equal(padded(x, padded.new_cache(8)), plain(x, plain.new_cache(8)))

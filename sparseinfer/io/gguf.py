@@ -517,12 +517,21 @@ def _repack_numpy(tname: str, raw: np.ndarray, rows: int, cols: int):
     return QWeight(fmt, rows, cols, qs, d, m)
 
 
+def logical_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape rows first (as torch), without ggml's trailing 1s: ggml pads every
+    shape to 4 dims with 1s, so [576] and [576, 1] are the same tensor."""
+    dims = [int(s) for s in t.shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(reversed(dims))
+
+
 def tensor_to_float(t):
     """A GGUF tensor of any supported type -> float32 torch tensor in its logical shape (rows first)."""
     import gguf
     import torch
 
-    shape = tuple(int(s) for s in reversed(t.shape))
+    shape = logical_shape(t)
     if t.tensor_type.name not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(t.name, t.tensor_type.name)
     arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)

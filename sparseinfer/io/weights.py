@@ -175,7 +175,7 @@ class GGUFSource(WeightSource):
         return self._find(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(s) for s in reversed(self._get(name).shape))
+        return gguf_io.logical_shape(self._get(name))
 
     def file_name(self, name: str) -> str:
         return hf_to_gguf_name(self.family, name) or name
