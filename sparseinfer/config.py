@@ -78,7 +78,7 @@ class ModelConfig:
         the keys in error messages as their source spells them (GGUF metadata keys)."""
         d = dict(d)
         if not isinstance(d.get("model_type", ""), str):
-            raise ModelFormatError(f"model config: model_type is {d['model_type']!r}; it must be a name")
+            raise ModelFormatError(f"model config: model_type is {d['model_type']!r}; it must be a name: {_BAD_CONFIG}")
         mt = d.get("model_type", "")
         if mt in ("falcon", "RefinedWeb", "RefinedWebModel"):
             d = _falcon_keys(d)

@@ -269,7 +269,8 @@ def test_shape_check_before_any_weight_is_read(edit, monkeypatch):
 ])
 def test_bad_config_values(edit, key, value, needle):
     p = edit("llama", lambda s: s.set(key, value))
-    assert needle in load_error(p)
+    msg = load_error(p)
+    assert msg.startswith(f"{p}: model config: ") and needle in msg
 
 
 def test_config_value_of_the_wrong_type(edit):

@@ -57,6 +57,14 @@ NAME_MAP: dict[str, list[tuple[str, str]]] = {
 }
 
 
+def _located(path: Path, make, *args):
+    """make(*args), its ModelFormatError (a config problem) prefixed with the file it is in."""
+    try:
+        return make(*args)
+    except ModelFormatError as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
 def hf_to_gguf_name(family: str, name: str) -> str | None:
     for pat, tmpl in NAME_MAP[family]:
         m = re.fullmatch(pat, name)
@@ -138,7 +146,7 @@ class GGUFSource(WeightSource):
         self.path = Path(path)
         self.reader = gguf_io.open_reader(self.path)
         self.metadata = gguf_io.read_metadata(self.reader)
-        self.config = config_from_gguf(self.metadata)
+        self.config = _located(self.path, config_from_gguf, self.metadata)
         self.family = self.config.family
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._pool = None
@@ -239,7 +247,9 @@ class SafetensorsSource(WeightSource):
             d = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise ModelFormatError(f"{cfg}: invalid JSON ({e})") from e
-        self.config = ModelConfig.from_dict(d)
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{cfg}: not a JSON object; re-download the model")
+        self.config = _located(cfg, ModelConfig.from_dict, d)
         self.family = self.config.family
         self.falcon_qkv_grouped = self.family == "falcon" and bool(self.config.new_decoder_architecture)
         files = sorted(self.path.glob("*.safetensors"))
