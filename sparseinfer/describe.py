@@ -4,12 +4,16 @@ from __future__ import annotations
 from collections import Counter
 
 from . import catalog
-from .io.weights import GGUFSource, open_source
+from .io.weights import GGUFSource, WeightSource, open_source
+from .models.registry import check_shapes, tensor_shapes
 
 
-def describe(model: str | None) -> str:
+def describe(model: str | None, check_tensors: bool = False) -> str:
+    """What the model file holds; its tensors' shapes are checked against its config (an error
+    names the first that does not fit), with `check_tensors` also their values (NaN, Inf)."""
     path = catalog.resolve(model)
-    src = open_source(path)
+    src = open_source(path, check_tensors=check_tensors)
+    check_shapes(src)
     c = src.config
     lines = [
         f"model:        {path}",
@@ -40,4 +44,17 @@ def describe(model: str | None) -> str:
             f"tokenizer:    {'tokenizer.json' if (src.path / 'tokenizer.json').is_file() else 'missing'}",
             f"chat template: {'yes' if has_tmpl else 'no'}",
         ]
+    if check_tensors:
+        lines.append(f"tensor check: {_scan(src)} tensors read, no NaN or infinite values")
     return "\n".join(lines)
+
+
+def _scan(src: WeightSource) -> int:
+    """Read every tensor the model uses as loading would (`src.check_tensors` raises on NaN
+    or infinities); how many were read."""
+    n = 0
+    for name, shape, _ in tensor_shapes(src):
+        if src.has(name):
+            src.qweight(name) if len(shape) == 2 else src.tensor(name)
+            n += 1
+    return n

@@ -11,12 +11,12 @@ import torch
 
 from . import catalog
 from .config import ModelConfig
-from .errors import ContextOverflowError, SparseInferError
+from .errors import ContextOverflowError, ModelFormatError, SparseInferError
 from .generate import (GenerationResponse, make_sampler, presence_frequency_penalty, repetition_penalty,
                        stream_generate as _stream)
 from .io.weights import WeightSource, open_source
 from .models.base import CausalLM
-from .models.registry import build_model
+from .models.registry import build_model, check_shapes
 
 
 @dataclass
@@ -104,7 +104,7 @@ class LLM:
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
          sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
          device: str | None = "cpu", vram_budget: str | float | None = None, n_seq: int = 1,
-         act_mode: str = "auto") -> LLM:
+         act_mode: str = "auto", check_tensors: bool = False) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
@@ -114,16 +114,18 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     when torch sees a GPU) or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB", a
     number of GiB; default free memory minus a margin), see `sparseinfer.hybrid`; n_seq: sequences
     alive at once (the server's slots), each with its own KV cache on the GPU; act_mode: how the
-    CPU kernels round activations for 4/8-bit weights, see `set_act_mode`."""
-    from .io.tokenizer import Tokenizer
-
+    CPU kernels round activations for 4/8-bit weights, see `set_act_mode`; check_tensors: scan
+    every weight for NaN and infinities as it is read (a damaged file is an error, not garbage
+    output).  Every tensor's shape is checked against the config either way."""
     _check_act_mode(act_mode)  # before the load, which can take a while
     n_threads = threads or os.cpu_count() or 1
     set_threads(n_threads)
     t0 = time.perf_counter()
     p = catalog.resolve(None if path is None else str(path))
     _loading_heap()
-    src = open_source(p)
+    src = open_source(p, check_tensors=check_tensors)
+    check_shapes(src)  # (again in build_model) the model's problems before the tokenizer's
+    tok = _tokenizer(src)  # before the weights: a file's problems show before the long part
     # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
     # run on every thread; decode then keeps torch at one (see `set_threads`)
     torch_threads = torch.get_num_threads()
@@ -133,10 +135,6 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
             model = build_model(src)
         src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
         set_act_mode(act_mode, model)
-        if hasattr(src, "metadata"):
-            tok = Tokenizer.from_gguf_metadata(src.metadata)
-        else:
-            tok = Tokenizer.from_folder(src.path)
         pack = None
         if not dense or density is not None:
             from .sparse.apply import apply_sparsity
@@ -157,6 +155,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     return llm
 
 
+<<<<<<< HEAD
 def _glibc():
     """glibc's allocator controls, or None (another OS or C library, or the user set them)."""
     import ctypes
@@ -184,6 +183,21 @@ def _loading_heap() -> None:
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def _tokenizer(src: WeightSource):
+    """The tokenizer of a GGUF file's metadata or a folder's tokenizer files.  A GGUF's token
+    ids must all have embedding rows (llama.cpp's converter writes one row per token)."""
+    from .io.tokenizer import Tokenizer
+
+    if not hasattr(src, "metadata"):
+        return Tokenizer.from_folder(src.path)
+    tok = Tokenizer.from_gguf_metadata(src.metadata)
+    if tok.vocab_size > src.config.vocab_size:
+        raise ModelFormatError(
+            f"{src.path}: the tokenizer has {tok.vocab_size} tokens but the model only {src.config.vocab_size} "
+            "(embedding rows); the file is damaged or its tokenizer belongs to another model")
+    return tok
 
 
 def _settle_heap() -> None:

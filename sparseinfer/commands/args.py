@@ -22,6 +22,12 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-mode", default="auto", choices=("auto", "int8", "precise"),
                    help="activation rounding for 4/8-bit weights: int8 (llama.cpp's), precise (two int8 terms, "
                         "~f32; slower decode), auto (precise for models under 256 MiB; default)")
+    check_tensors_arg(p)
+
+
+def check_tensors_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check-tensors", action="store_true",
+                   help="scan every weight for NaN and infinite values while loading (slower load)")
 
 
 def sparse_args(p: argparse.ArgumentParser, density: bool = True) -> None:
@@ -59,7 +65,8 @@ def load_from_args(a: argparse.Namespace, report: bool = True, **overrides):
     kw = dict(ctx_size=getattr(a, "ctx_size", None), threads=getattr(a, "threads", None),
               sparse=getattr(a, "sparse", None) or "auto", dense=getattr(a, "dense", False),
               density=getattr(a, "density", None), device=getattr(a, "device", "cpu"),
-              vram_budget=getattr(a, "vram_budget", None), act_mode=getattr(a, "act_mode", "auto"))
+              vram_budget=getattr(a, "vram_budget", None), act_mode=getattr(a, "act_mode", "auto"),
+              check_tensors=getattr(a, "check_tensors", False))
     t0 = time.perf_counter()
     llm = load(getattr(a, "model", None), **(kw | overrides))
     if report and getattr(a, "verbose", False):

@@ -5,6 +5,7 @@ this module validates it with clear errors and maps it onto our config and weigh
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 from pathlib import Path
@@ -18,13 +19,60 @@ GGUF_MAGIC = b"GGUF"
 
 
 # Why a parser of our own: gguf.GGUFReader builds a numpy view per key and per vocabulary entry,
-# which is slow for a 150k-token vocabulary on every load; this reads the same container
-# (spec: header, key/values, tensor infos, aligned data) with struct in tight loops
-# and maps tensor data lazily.  The gguf package is still used for its type tables and dequantizers.
+# which is slow for a 150k-token vocabulary on every load, and it trusts the counts a header
+# claims (an array of 2**40 empty strings in a sparse file keeps it reading for minutes).  This
+# reads the same container (spec: header, key/values, tensor infos, aligned data) with struct
+# in tight loops, checks every count, length and offset against the file before acting on it,
+# and maps tensor data lazily.  The gguf package is still used for its type tables and
+# dequantizers.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# Fewest bytes one value of each type takes: a string its 8-byte length, an array its 4-byte
+# element type and 8-byte count.  A count times this must fit in the bytes left.
+_MIN_BYTES = {t: struct.calcsize(f) for t, f in _SCALARS.items()} | {_STRING: 8, _ARRAY: 12}
+
+# What a header may claim.  Counts are checked against the bytes left before anything is
+# allocated; these caps also bound what a sparse file (whose holes read as zeros, so every
+# count "fits") can make the parser build.  Real models stay far below them: a few thousand
+# tensors, vocabularies of a few hundred thousand entries.
+MAX_DIMS = 4                # GGML tensors have at most 4 dimensions
+MAX_TENSORS = 1 << 20
+MAX_KEYS = 1 << 20
+MAX_VALUES = 1 << 23        # metadata values in all: strings and array elements
+MAX_NESTING = 3             # arrays of arrays
+MAX_STRING = 1 << 30
+MAX_ELEMENTS = (1 << 63) - 1  # elements of one tensor (ggml counts them in int64)
+DEFAULT_ALIGNMENT = 32
+
+_DAMAGED = "the file is damaged or truncated; re-download or re-convert it"
+
+# The value each metadata key that sparseinfer reads must hold (the model's sizes are checked by
+# `config.config_from_gguf`): a key of another type is a damaged file, not a crash later.
+_IS = {
+    "a string": lambda v: isinstance(v, str),
+    "an integer": lambda v: type(v) is int,
+    "a boolean": lambda v: type(v) in (bool, int),
+    "a number": lambda v: type(v) in (int, float),
+}
+_PLURAL = {"a string": "strings", "an integer": "integers", "a number": "numbers"}
+KEY_TYPES = {
+    "general.architecture": ("a string", None), "general.alignment": ("an integer", None),
+    "tokenizer.ggml.model": ("a string", None), "tokenizer.ggml.pre": ("a string", None),
+    "tokenizer.ggml.tokens": ("array", "a string"), "tokenizer.ggml.merges": ("array", "a string"),
+    "tokenizer.ggml.token_type": ("array", "an integer"), "tokenizer.ggml.scores": ("array", "a number"),
+    "tokenizer.ggml.add_bos_token": ("a boolean", None), "tokenizer.ggml.add_eos_token": ("a boolean", None),
+    "tokenizer.ggml.add_space_prefix": ("a boolean", None), "tokenizer.chat_template": ("a string", None),
+    **{f"tokenizer.ggml.{t}_token_id": ("an integer", None)
+       for t in ("bos", "eos", "unknown", "eot", "eom", "padding", "seperator", "separator", "mask")},
+}
+
+
+def _kind(v) -> str:
+    if isinstance(v, list):
+        return f"an array of {len(v):,} values"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(type(v), type(v).__name__)
 
 
 def release_pages(mm: np.memmap, offset: int = 0, n: int | None = None) -> None:
@@ -46,14 +94,11 @@ def release_pages(mm: np.memmap, offset: int = 0, n: int | None = None) -> None:
 class GGUFTensor:
     """One tensor's info and a lazy view of its bytes (like gguf's ReaderTensor, minus the cost)."""
 
-    def __init__(self, name: str, shape: list[int], qtype, offset: int, mm: np.memmap):
-        import gguf
-
+    def __init__(self, name: str, shape: list[int], qtype, offset: int, mm: np.memmap, n_bytes: int):
         self.name, self.tensor_type, self.data_offset = name, qtype, offset
         self.shape = np.array(shape, dtype=np.uint64)  # ggml order: shape[0] = columns
-        self.n_elements = int(np.prod(shape)) if shape else 1
-        block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-        self.n_bytes = self.n_elements // block * nbytes
+        self.n_elements = math.prod(shape)
+        self.n_bytes = n_bytes
         self._mm = mm
 
     def release(self) -> None:
@@ -77,15 +122,19 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A parsed GGUF file: `metadata` (dict of Python values) and `tensors` (list of GGUFTensor)."""
+    """A parsed GGUF file: `metadata` (dict of Python values) and `tensors` (list of GGUFTensor).
+
+    Every claim of the header is checked before it is used (`ModelFormatError` otherwise):
+    counts and lengths against the bytes left and the caps above, keys and tensor names unique,
+    1 to 4 dimensions each > 0 whose product fits in int64, a known type whose block divides the
+    first dimension, offsets aligned, inside the file and not overlapping."""
 
     def __init__(self, path: Path):
-        import gguf
-
         self.path = path
         self._mm = np.memmap(path, dtype=np.uint8, mode="r")
         buf = memoryview(self._mm)
-        self._buf, self._pos = buf, 0
+        self._buf, self._pos, self._end = buf, 0, len(buf)
+        self._where, self._values = "the header", 0
         if bytes(buf[:4]) != GGUF_MAGIC:
             raise ModelFormatError(f"{path}: not a GGUF file")
         self._pos = 4
@@ -93,33 +142,53 @@ class GGUFFile:
         if self.version not in (2, 3):
             raise ModelFormatError(f"{path}: GGUF version {self.version} is not supported (expected 2 or 3)")
         n_tensors, n_kv = self._scalar(10), self._scalar(10)
-        if n_tensors > 1 << 24 or n_kv > 1 << 24:
-            raise ModelFormatError(f"{path}: implausible GGUF header ({n_tensors} tensors, {n_kv} keys); damaged file")
+        self._check_count(n_kv, _MIN_BYTES[_STRING] + 4 + 1, MAX_KEYS, "keys")
         self.metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = self._string()
-            self.metadata[key] = self._value(self._scalar(4))
-        infos = []
-        for _ in range(n_tensors):
-            name = self._string()
-            n_dims = self._scalar(4)
-            shape = [self._scalar(10) for _ in range(n_dims)]
-            qt = self._scalar(4)
-            infos.append((name, shape, qt, self._scalar(10)))
-        align = int(self.metadata.get("general.alignment", 32))
-        start = (self._pos + align - 1) // align * align
-        self.tensors = []
-        for name, shape, qt, off in infos:
-            try:
-                qtype = gguf.GGMLQuantizationType(qt)
-            except ValueError:
-                raise ModelFormatError(f"{path}: tensor {name!r} has unknown GGML type id {qt}") from None
-            self.tensors.append(GGUFTensor(name, shape, qtype, start + off, self._mm))
+        for i in range(n_kv):
+            self._where = f"key #{i}"
+            key = self._name("key")
+            if key in self.metadata:
+                self._fail(f"key {key!r} appears twice")
+            self._where = f"key {key!r}"
+            self.metadata[key] = self._value(self._scalar(4), 0)
+        self._where = "the tensor infos"
+        self._check_count(n_tensors, _MIN_BYTES[_STRING] + 1 + 4 + 8 + 4 + 8, MAX_TENSORS, "tensors")
+        infos, names = [], set()
+        for i in range(n_tensors):
+            self._where = f"tensor #{i}"
+            name = self._name("tensor name")
+            if name in names:
+                self._fail(f"tensor {name!r} appears twice")
+            names.add(name)
+            self._where = f"tensor {name!r}"
+            infos.append((name, *self._tensor_info(name)))
+        self._check_key_types()
+        self.alignment = self._alignment()
+        start = -(-self._pos // self.alignment) * self.alignment
+        self.data_start = start
+        self.tensors = [GGUFTensor(name, shape, qtype, start + off, self._mm, n_bytes)
+                        for name, shape, qtype, off, n_bytes in infos]
+        self._check_layout()
         del self._buf
 
+    # -- errors and bounds
+    def _fail(self, what: str, advice: str = _DAMAGED):
+        raise ModelFormatError(f"{self.path}: {what}; {advice}")
+
+    def _left(self) -> int:
+        return self._end - self._pos
+
+    def _check_count(self, n: int, min_bytes: int, cap: int, what: str) -> None:
+        """n items of at least `min_bytes` each must fit in the bytes left, and n <= cap."""
+        if n > cap:
+            self._fail(f"{self._where} claims {n:,} {what}, more than the {cap:,} sparseinfer accepts")
+        if n * min_bytes > self._left():
+            self._fail(f"{self._where} claims {n:,} {what} (at least {n * min_bytes:,} bytes) "
+                       f"but only {self._left():,} bytes are left")
+
     def _take(self, n: int) -> memoryview:
-        if self._pos + n > len(self._buf):
-            raise ModelFormatError(f"{self.path}: truncated GGUF header; re-download the file")
+        if n > self._left():
+            self._fail(f"truncated GGUF header: {self._where} needs {n:,} bytes but only {self._left():,} are left")
         b = self._buf[self._pos : self._pos + n]
         self._pos += n
         return b
@@ -128,47 +197,132 @@ class GGUFFile:
         fmt = _SCALARS[t]
         return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
 
+    # -- key/values
     def _string(self) -> str:
         n = self._scalar(10)
-        if n > 1 << 30:
-            raise ModelFormatError(f"{self.path}: implausible string length {n}; damaged file")
+        if n > MAX_STRING:
+            self._fail(f"{self._where} has a string of {n:,} bytes, more than the {MAX_STRING:,} sparseinfer accepts")
+        self._count_values(1)
         return bytes(self._take(n)).decode("utf-8", errors="replace")
+
+    def _name(self, what: str) -> str:
+        s = self._string()
+        if not s:
+            self._fail(f"{self._where} has an empty {what}")
+        return s
+
+    def _count_values(self, n: int) -> None:
+        self._values += n
+        if self._values > MAX_VALUES:
+            self._fail(f"{self._where}: the metadata holds more than {MAX_VALUES:,} values, "
+                       "more than sparseinfer accepts")
 
     def _strings(self, n: int) -> list[str]:
         """n strings in a row (vocabularies, merges: ~150k each): one tight loop, same checks
         as `_string` (much faster than calling it per string)."""
-        buf, pos, end = self._buf, self._pos, len(self._buf)
+        buf, pos, end = self._buf, self._pos, self._end
         unpack = struct.Struct("<Q").unpack_from
         out = []
         append = out.append
         for _ in range(n):
             if pos + 8 > end:
-                raise ModelFormatError(f"{self.path}: truncated GGUF header; re-download the file")
+                self._pos = pos
+                self._take(8)
             k = unpack(buf, pos)[0]
             pos += 8
-            if k > 1 << 30:
-                raise ModelFormatError(f"{self.path}: implausible string length {k}; damaged file")
-            if pos + k > end:
-                raise ModelFormatError(f"{self.path}: truncated GGUF header; re-download the file")
+            if k > end - pos:
+                self._pos = pos
+                self._take(k)
             append(str(buf[pos:pos + k], "utf-8", "replace"))
             pos += k
         self._pos = pos
         return out
 
-    def _value(self, t: int):
+    def _value(self, t: int, depth: int):
         if t == _STRING:
             return self._string()
         if t == _ARRAY:
             it, n = self._scalar(4), self._scalar(10)
+            if it not in _MIN_BYTES:
+                self._fail(f"{self._where} is an array of unknown GGUF value type {it}")
+            if it == _ARRAY and depth + 1 >= MAX_NESTING:
+                self._fail(f"{self._where} nests arrays more than {MAX_NESTING} deep")
+            self._check_count(n, _MIN_BYTES[it], MAX_VALUES, "array elements")
+            self._count_values(n)
             if it == _STRING:
                 return self._strings(n)
             if it in _NP_SCALARS:
                 dt = np.dtype(_NP_SCALARS[it])
                 return np.frombuffer(self._take(n * dt.itemsize), dtype=dt).tolist()
-            return [self._value(it) for _ in range(n)]
+            return [self._value(it, depth + 1) for _ in range(n)]
         if t not in _SCALARS:
-            raise ModelFormatError(f"{self.path}: unknown GGUF value type {t}; damaged file")
+            self._fail(f"{self._where} has unknown GGUF value type {t}")
         return self._scalar(t)
+
+    # -- tensor infos
+    def _tensor_info(self, name: str):
+        """(shape, type, offset, bytes) of one tensor info, checked on its own."""
+        import gguf
+
+        n_dims = self._scalar(4)
+        if not 1 <= n_dims <= MAX_DIMS:
+            self._fail(f"tensor {name!r} has {n_dims} dimensions (GGUF tensors have 1 to {MAX_DIMS})")
+        shape = [self._scalar(10) for _ in range(n_dims)]
+        qt, offset = self._scalar(4), self._scalar(10)
+        if any(s == 0 for s in shape):
+            self._fail(f"tensor {name!r} has a zero dimension (shape {shape})")
+        n_elements = math.prod(shape)  # Python ints: no wrap-around
+        if n_elements > MAX_ELEMENTS:
+            self._fail(f"tensor {name!r} has shape {shape}, whose {n_elements:,} elements overflow a 64-bit count")
+        try:
+            qtype = gguf.GGMLQuantizationType(qt)
+            block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            self._fail(f"tensor {name!r} has unknown GGML type id {qt}",
+                       "the file is damaged or needs a newer sparseinfer")
+        if shape[0] % block:
+            self._fail(f"tensor {name!r} has {shape[0]} columns, not a multiple of the {qtype.name} block of {block}")
+        return shape, qtype, offset, n_elements // block * type_bytes
+
+    def _check_key_types(self) -> None:
+        for key, (kind, element) in KEY_TYPES.items():
+            v = self.metadata.get(key)
+            if v is None:
+                continue
+            if element is None:
+                ok, want = _IS[kind](v), kind
+            else:
+                ok, want = isinstance(v, list) and all(map(_IS[element], v)), f"an array of {_PLURAL[element]}"
+            if not ok:
+                self._where = f"key {key!r}"
+                got = "other values" if isinstance(v, list) and element else _kind(v)
+                self._fail(f"key {key!r} holds {got}; it must hold {want}")
+
+    def _alignment(self) -> int:
+        a = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(a) is not int or a <= 0 or a & (a - 1):
+            self._where = "key 'general.alignment'"
+            self._fail(f"general.alignment is {a!r}; it must be a power of two")
+        return a
+
+    def _check_layout(self) -> None:
+        """Tensor data aligned, inside the file, and no two tensors sharing bytes."""
+        size = self._end
+        for t in self.tensors:
+            off = t.data_offset - self.data_start
+            if off % self.alignment:
+                self._fail(f"tensor {t.name!r} starts at data offset {off:,}, not a multiple of "
+                           f"the alignment {self.alignment}")
+            end = t.data_offset + t.n_bytes
+            if end > size:
+                self._fail(f"truncated GGUF file: tensor {t.name!r} needs bytes up to {end:,} "
+                           f"but the file has {size:,}", "re-download it")
+        prev = None
+        for t in sorted(self.tensors, key=lambda t: t.data_offset):
+            if prev is not None and t.data_offset < prev.data_offset + prev.n_bytes:
+                self._fail(f"tensor {t.name!r} starts at byte {t.data_offset:,}, inside tensor {prev.name!r} "
+                           f"(bytes {prev.data_offset:,} to {prev.data_offset + prev.n_bytes:,}): tensors overlap")
+            prev = t
 
 
 def open_reader(path: str | os.PathLike) -> GGUFFile:
@@ -184,26 +338,13 @@ def open_reader(path: str | os.PathLike) -> GGUFFile:
             "pass a .gguf file or a Hugging Face model folder"
         )
     try:
-        reader = GGUFFile(path)
+        return GGUFFile(path)
     except ModelFormatError:
         raise
-    except Exception as e:  # struct/unicode/numpy errors on a damaged header
+    except Exception as e:  # a last resort: every known damage has its own message above
         raise ModelFormatError(
             f"{path}: damaged or truncated GGUF file ({type(e).__name__}: {e}); re-download or re-convert it"
         ) from e
-    _check_complete(path, reader)
-    return reader
-
-
-def _check_complete(path: Path, reader) -> None:
-    size = path.stat().st_size
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise ModelFormatError(
-                f"{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to {end:,} "
-                f"but the file has {size:,}; re-download it"
-            )
 
 
 def read_metadata(reader: GGUFFile) -> dict[str, Any]:
@@ -398,12 +539,21 @@ def _repack_numpy(tname: str, raw: np.ndarray, rows: int, cols: int):
     return QWeight(fmt, rows, cols, qs, d, m)
 
 
+def logical_shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's shape rows first (as torch), without ggml's trailing 1s: ggml pads every
+    shape to 4 dims with 1s, so [576] and [576, 1] are the same tensor."""
+    dims = [int(s) for s in t.shape]
+    while len(dims) > 1 and dims[-1] == 1:
+        dims.pop()
+    return tuple(reversed(dims))
+
+
 def tensor_to_float(t):
     """A GGUF tensor of any supported type -> float32 torch tensor in its logical shape (rows first)."""
     import gguf
     import torch
 
-    shape = tuple(int(s) for s in reversed(t.shape))
+    shape = logical_shape(t)
     if t.tensor_type.name not in SUPPORTED_TYPES:
         raise UnsupportedTensorType(t.name, t.tensor_type.name)
     arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)

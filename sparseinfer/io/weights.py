@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, hf_dict_from_gguf
+from ..config import ModelConfig, config_from_gguf
 from ..errors import ModelFormatError
 from ..quant import QWeight, from_float
 from . import gguf as gguf_io
@@ -57,6 +57,14 @@ NAME_MAP: dict[str, list[tuple[str, str]]] = {
 }
 
 
+def _located(path: Path, make, *args):
+    """make(*args), its ModelFormatError (a config problem) prefixed with the file it is in."""
+    try:
+        return make(*args)
+    except ModelFormatError as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
 def hf_to_gguf_name(family: str, name: str) -> str | None:
     for pat, tmpl in NAME_MAP[family]:
         m = re.fullmatch(pat, name)
@@ -80,9 +88,21 @@ class WeightSource:
     config: ModelConfig
     path: Path
     falcon_qkv_grouped = False  # HF Falcon new-arch stores qkv interleaved per KV group
+    check_tensors = False  # `qweight` / `tensor` refuse weights holding NaN or infinities
 
     def has(self, name: str) -> bool:
         raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's logical shape (rows first, as torch), read from the file's index."""
+        raise NotImplementedError
+
+    def file_name(self, name: str) -> str:
+        """The name the file gives tensor `name` (for messages)."""
+        return name
+
+    def check_readable(self, name: str) -> None:
+        """Raise a ModelFormatError when tensor `name`'s data type cannot be read."""
 
     def qweight(self, name: str) -> QWeight:
         raise NotImplementedError
@@ -92,6 +112,24 @@ class WeightSource:
 
     def maybe_tensor(self, name: str) -> torch.Tensor | None:
         return self.tensor(name) if self.has(name) else None
+
+    def _checked(self, name: str, x):
+        """x (a float tensor or a QWeight, as the model will compute with it), checked for NaN
+        and infinities when `check_tensors` is set; for 4/8-bit formats those can only be in
+        the block scales (the codes are integers)."""
+        if not self.check_tensors:
+            return x
+        if isinstance(x, torch.Tensor):
+            parts, what = [x], "values"
+        elif x.qs.is_floating_point():
+            parts, what = [x.qs], "values"
+        else:
+            parts, what = [t for t in (x.d, x.m) if t is not None], "block scales"
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in parts)
+        if bad:
+            raise ModelFormatError(f"{self.path}: tensor {self.file_name(name)} has {bad:,} NaN or infinite {what}; "
+                                   "the file is damaged: re-download or re-convert it")
+        return x
 
     def prefetch(self) -> None:
         """Start preparing the model's matrices ahead of `qweight` (GGUF: worker threads)."""
@@ -111,7 +149,7 @@ class GGUFSource(WeightSource):
         self.path = Path(path)
         self.reader = gguf_io.open_reader(self.path)
         self.metadata = gguf_io.read_metadata(self.reader)
-        self.config = ModelConfig.from_dict(hf_dict_from_gguf(self.metadata))
+        self.config = _located(self.path, config_from_gguf, self.metadata)
         self.family = self.config.family
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._pool = None
@@ -159,6 +197,17 @@ class GGUFSource(WeightSource):
     def has(self, name: str) -> bool:
         return self._find(name) is not None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return gguf_io.logical_shape(self._get(name))
+
+    def file_name(self, name: str) -> str:
+        return hf_to_gguf_name(self.family, name) or name
+
+    def check_readable(self, name: str) -> None:
+        t = self._get(name)
+        if t.tensor_type.name not in gguf_io.SUPPORTED_TYPES:
+            raise gguf_io.UnsupportedTensorType(t.name, t.tensor_type.name)
+
     def _get(self, name: str):
         t = self._find(name)
         if t is None:
@@ -185,7 +234,7 @@ class GGUFSource(WeightSource):
         heads = self._unpermute(name)
         if heads:
             w = w.select_rows(llama_qk_unpermute_index(w.rows, heads))
-        return w
+        return self._checked(name, w)
 
     def tensor(self, name: str) -> torch.Tensor:
         t = self._get(name)
@@ -193,7 +242,7 @@ class GGUFSource(WeightSource):
         heads = self._unpermute(name)
         if heads:
             x = x[llama_qk_unpermute_index(x.shape[0], heads)]
-        return x
+        return self._checked(name, x)
 
     def fingerprint(self) -> str:
         return _fingerprint(self.path, [(t.name, t.tensor_type.name, tuple(int(s) for s in t.shape)) for t in self.reader.tensors])
@@ -213,7 +262,9 @@ class SafetensorsSource(WeightSource):
             d = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise ModelFormatError(f"{cfg}: invalid JSON ({e})") from e
-        self.config = ModelConfig.from_dict(d)
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{cfg}: not a JSON object; re-download the model")
+        self.config = _located(cfg, ModelConfig.from_dict, d)
         self.family = self.config.family
         self.falcon_qkv_grouped = self.family == "falcon" and bool(self.config.new_decoder_architecture)
         files = sorted(self.path.glob("*.safetensors"))
@@ -221,7 +272,13 @@ class SafetensorsSource(WeightSource):
             raise ModelFormatError(f"{self.path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            wanted = set(json.loads(index.read_text())["weight_map"].values())
+            try:
+                wanted = set(json.loads(index.read_text())["weight_map"].values())
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise ModelFormatError(f"{index}: not a safetensors index (no weight_map of tensor -> file: "
+                                       f"{type(e).__name__}); re-download the model") from e
+            if not all(isinstance(f, str) for f in wanted):
+                raise ModelFormatError(f"{index}: weight_map values must be file names; re-download the model")
             missing = [f for f in wanted if not (self.path / f).is_file()]
             if missing:
                 raise ModelFormatError(f"{self.path}: shard(s) {', '.join(sorted(missing))} listed in the index are missing")
@@ -246,11 +303,25 @@ class SafetensorsSource(WeightSource):
     def has(self, name: str) -> bool:
         return self._key(name) is not None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        key = self._key(name)
+        return tuple(int(s) for s in self._where[key].get_slice(key).get_shape())
+
+    def file_name(self, name: str) -> str:
+        return self._key(name) or name
+
+    def check_readable(self, name: str) -> None:
+        key = self._key(name)
+        dtype = str(self._where[key].get_slice(key).get_dtype())
+        if dtype not in _FLOAT_DTYPES:
+            raise ModelFormatError(f"{self.path}: tensor {key} has dtype {dtype}; a model's weights must be "
+                                   f"{', '.join(_FLOAT_DTYPES)}: the file is damaged or not a supported model")
+
     def tensor(self, name: str) -> torch.Tensor:
         key = self._key(name)
         if key is None:
             raise ModelFormatError(f"{self.path}: tensor {name!r} is missing from the safetensors files")
-        return self._where[key].get_tensor(key)
+        return self._checked(name, self._where[key].get_tensor(key))
 
     def qweight(self, name: str) -> QWeight:
         t = self.tensor(name)
@@ -263,6 +334,9 @@ class SafetensorsSource(WeightSource):
             sl = h.get_slice(k)
             items.append((k, str(sl.get_dtype()), tuple(sl.get_shape())))
         return _fingerprint(self.path, items)
+
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def _fingerprint(path: Path, tensor_infos: list) -> str:
@@ -278,11 +352,15 @@ def _fingerprint(path: Path, tensor_infos: list) -> str:
     return h.hexdigest()[:32]
 
 
-def open_source(path: str | os.PathLike) -> WeightSource:
-    """A .gguf file or a Hugging Face folder -> its WeightSource (clear errors otherwise)."""
+def open_source(path: str | os.PathLike, check_tensors: bool = False) -> WeightSource:
+    """A .gguf file or a Hugging Face folder -> its WeightSource (clear errors otherwise).
+    check_tensors: refuse weights holding NaN or infinities as they are read (`_checked`)."""
     p = Path(os.path.expanduser(str(path)))
     if p.is_dir():
-        return SafetensorsSource(p)
-    if not p.exists():
+        src = SafetensorsSource(p)
+    elif not p.exists():
         raise ModelFormatError(f"{p}: no such file or folder; pass a .gguf file or a Hugging Face model folder")
-    return GGUFSource(p)
+    else:
+        src = GGUFSource(p)
+    src.check_tensors = check_tensors
+    return src

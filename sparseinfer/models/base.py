@@ -1,6 +1,8 @@
 """The causal LM shell shared by every family: embeddings, a stack of blocks, final norm, head."""
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import torch
 from torch import nn
 
@@ -9,6 +11,24 @@ from ..kernels import decode_plan
 from ..kv_cache import KVCache
 from ..quant import QWeight
 from .layers import Linear, Module
+
+
+# What a family's `tensor_shapes(config, has)` yields: (tensor name, shape the config implies,
+# required).  `has(name)` says whether the file holds a tensor, for families whose layout varies.
+TensorShapes = Iterator[tuple[str, tuple[int, ...], bool]]
+Has = Callable[[str], bool]
+
+
+def linear_shapes(prefix: str, rows: int, cols: int, bias_required: bool = False) -> TensorShapes:
+    """A linear layer's weight (rows, cols) and its optional bias (rows,)."""
+    yield f"{prefix}.weight", (rows, cols), True
+    yield f"{prefix}.bias", (rows,), bias_required
+
+
+def norm_shapes(prefix: str, n: int) -> TensorShapes:
+    """A norm's weight (n,) and, for LayerNorm, its optional bias (n,)."""
+    yield f"{prefix}.weight", (n,), True
+    yield f"{prefix}.bias", (n,), False
 
 
 class Embedding(nn.Module):

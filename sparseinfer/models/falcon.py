@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ModelConfig
 from ..errors import UnsupportedError
 from ..io.weights import WeightSource
 from ..quant import QWeight
-from .base import CausalLM, Embedding
+from .base import CausalLM, Embedding, Has, TensorShapes, linear_shapes, norm_shapes
 from .layers import MLP, Attention, LayerNorm, Linear, Module, Rotary
 
 
@@ -65,3 +66,21 @@ def build(src: WeightSource) -> CausalLM:
     embed = Embedding(src.qweight("transformer.word_embeddings.weight"))
     head = Linear(src.qweight("lm_head.weight")) if src.has("lm_head.weight") else Linear(embed.weight)
     return CausalLM(c, embed, layers, _ln(src, "transformer.ln_f", c.layer_norm_eps), head)
+
+
+def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
+    """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
+    n, f, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.d_head
+    yield "transformer.word_embeddings.weight", (v, n), True
+    yield from norm_shapes("transformer.ln_f", n)
+    yield "lm_head.weight", (v, n), False
+    two_norms = has("transformer.h.0.ln_mlp.weight")
+    for i in range(c.num_hidden_layers):
+        p = f"transformer.h.{i}"
+        yield from linear_shapes(f"{p}.self_attention.query_key_value", (c.num_attention_heads + 2 * c.n_kv_heads) * d, n)
+        yield from linear_shapes(f"{p}.self_attention.dense", n, c.num_attention_heads * d)
+        yield from linear_shapes(f"{p}.mlp.dense_h_to_4h", f, n)
+        yield from linear_shapes(f"{p}.mlp.dense_4h_to_h", n, f)
+        yield from norm_shapes(f"{p}.input_layernorm" if has(f"{p}.input_layernorm.weight") else f"{p}.ln_attn", n)
+        if two_norms:
+            yield from norm_shapes(f"{p}.ln_mlp", n)

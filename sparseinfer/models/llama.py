@@ -5,7 +5,8 @@ import torch
 
 from ..io.weights import WeightSource
 from ..kernels import decode_plan
-from .base import CausalLM, Embedding
+from ..config import ModelConfig
+from .base import CausalLM, Embedding, Has, TensorShapes, linear_shapes
 from .layers import MLP, Attention, Linear, Module, RMSNorm, Rotary
 
 
@@ -53,3 +54,20 @@ def build(src: WeightSource) -> CausalLM:
     embed = Embedding(src.qweight("model.embed_tokens.weight"))
     head = Linear(src.qweight("lm_head.weight")) if src.has("lm_head.weight") else Linear(embed.weight)
     return CausalLM(c, embed, layers, RMSNorm(src.tensor("model.norm.weight"), c.rms_norm_eps), head)
+
+
+def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
+    """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
+    n, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    nq, nkv = c.num_attention_heads * c.d_head, c.n_kv_heads * c.d_head
+    yield "model.embed_tokens.weight", (v, n), True
+    yield "model.norm.weight", (n,), True
+    yield "lm_head.weight", (v, n), False
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (n,), True
+        yield f"{p}.post_attention_layernorm.weight", (n,), True
+        for name, rows, cols in (("q", nq, n), ("k", nkv, n), ("v", nkv, n), ("o", n, nq)):
+            yield from linear_shapes(f"{p}.self_attn.{name}_proj", rows, cols)
+        for name, rows, cols in (("gate", f, n), ("up", f, n), ("down", n, f)):
+            yield from linear_shapes(f"{p}.mlp.{name}_proj", rows, cols)

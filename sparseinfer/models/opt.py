@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from ..io.weights import WeightSource
-from .base import CausalLM, Embedding
+from .base import CausalLM, Embedding, Has, TensorShapes, linear_shapes, norm_shapes
 from .layers import MLP, Attention, LayerNorm, Linear, Module
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -58,3 +59,22 @@ def build(src: WeightSource) -> CausalLM:
     final = _ln(src, "model.decoder.final_layer_norm", eps) if c.do_layer_norm_before else nn.Identity()
     pos = Positions(src.tensor("model.decoder.embed_positions.weight"))
     return CausalLM(c, embed, layers, final, head, pos_embed=pos)
+
+
+def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
+    """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
+    n, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    nq, nkv = c.num_attention_heads * c.d_head, c.n_kv_heads * c.d_head
+    yield "model.decoder.embed_tokens.weight", (v, n), True
+    yield "model.decoder.embed_positions.weight", (c.max_position_embeddings + POSITION_OFFSET, n), True
+    if c.do_layer_norm_before:
+        yield from norm_shapes("model.decoder.final_layer_norm", n)
+    yield "lm_head.weight", (v, n), False
+    for i in range(c.num_hidden_layers):
+        p = f"model.decoder.layers.{i}"
+        for name, rows, cols in (("q_proj", nq, n), ("k_proj", nkv, n), ("v_proj", nkv, n), ("out_proj", n, nq)):
+            yield from linear_shapes(f"{p}.self_attn.{name}", rows, cols)
+        yield from linear_shapes(f"{p}.fc1", f, n)
+        yield from linear_shapes(f"{p}.fc2", n, f)
+        yield from norm_shapes(f"{p}.self_attn_layer_norm", n)
+        yield from norm_shapes(f"{p}.final_layer_norm", n)

@@ -1,15 +1,44 @@
 """model family -> builder (`config.ARCH_ALIASES` maps model_type names onto these)."""
 from __future__ import annotations
 
+from ..errors import ModelFormatError
 from ..io.weights import WeightSource
 from ..quant import QWeight
 from . import falcon, llama, opt
-from .base import CausalLM
+from .base import CausalLM, TensorShapes
 
 BUILDERS = {"llama": llama.build, "falcon": falcon.build, "opt": opt.build}
+SHAPES = {"llama": llama.tensor_shapes, "falcon": falcon.tensor_shapes, "opt": opt.tensor_shapes}
+
+
+def tensor_shapes(src: WeightSource) -> TensorShapes:
+    """(name, shape, required) of every tensor the model of `src` reads (its family's table)."""
+    return SHAPES[src.config.family](src.config, src.has)
+
+
+def check_shapes(src: WeightSource) -> None:
+    """Every tensor the model reads is present (where required), readable, and has the shape
+    the config implies, before anything is loaded: a one-element norm or bias, a q/k/v of the
+    wrong width, a vocabulary that is not the embedding's is a clear error here instead of
+    garbage or a crash later (the C decode steps read norm and bias vectors by the config's
+    sizes)."""
+    for name, shape, required in tensor_shapes(src):
+        if not src.has(name):
+            if required:
+                raise ModelFormatError(
+                    f"{src.path}: tensor {src.file_name(name)} is missing (needed for {name}); "
+                    f"the file is incomplete or not a {src.config.model_type} model")
+            continue
+        got = src.shape(name)
+        if got != shape:
+            raise ModelFormatError(
+                f"{src.path}: {src.file_name(name)} has shape {got}, the config needs {shape}: "
+                "the file is damaged or not a supported model")
+        src.check_readable(name)
 
 
 def build_model(src: WeightSource) -> CausalLM:
+    check_shapes(src)
     src.prefetch()  # GGUF: matrices converted on worker threads while the builder runs
     try:
         model = BUILDERS[src.config.family](src)
