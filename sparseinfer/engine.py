@@ -155,7 +155,6 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     return llm
 
 
-<<<<<<< HEAD
 def _glibc():
     """glibc's allocator controls, or None (another OS or C library, or the user set them)."""
     import ctypes
