@@ -415,6 +415,27 @@ def mutated_pack(draw, tiny: Tiny):
     return meta, tensors
 
 
+def _apply_or_refuse(tiny, path, same_when_refused: bool = False) -> bool:
+    """Apply the pack at `path`: True when it applied and the model decoded to finite logits
+    (the model is then reset); False when it was refused in one line and the model stayed
+    dense (`same_when_refused`: with exactly the dense logits)."""
+    try:
+        tiny.apply(path)
+    except SparseInferError as e:
+        assert "\n" not in str(e)
+        assert not sparse_ffns(tiny.model)
+        if same_when_refused:
+            with torch.inference_mode():
+                torch.testing.assert_close(tiny.decode(), tiny.dense, atol=0, rtol=0)
+        return False
+    try:
+        with torch.inference_mode():
+            assert torch.isfinite(tiny.decode()).all()
+    finally:
+        tiny.reset()
+    return True
+
+
 def test_mutation_fuzz(tiny, tmp_path_factory):
     """Any of these packs either loads and applies, and the model then decodes to finite
     logits, or is refused with a SparseInferError and the model stays dense (same logits)."""
@@ -432,21 +453,7 @@ def test_mutation_fuzz(tiny, tmp_path_factory):
         except ValueError:
             return
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={META_KEY: text})
-        try:
-            tiny.apply(path)
-        except SparseInferError as e:
-            assert "\n" not in str(e)
-            assert not sparse_ffns(tiny.model)
-            with torch.inference_mode():
-                torch.testing.assert_close(tiny.decode(), tiny.dense, atol=0, rtol=0)
-            outcomes["refused"] += 1
-            return
-        try:
-            with torch.inference_mode():
-                assert torch.isfinite(tiny.decode()).all()
-        finally:
-            tiny.reset()
-        outcomes["applied"] += 1
+        outcomes["applied" if _apply_or_refuse(tiny, path, same_when_refused=True) else "refused"] += 1
 
     run()
     assert outcomes["refused"] > 0
@@ -469,16 +476,6 @@ def test_byte_fuzz(tiny, tmp_path_factory):
             data[pos % (hlen + 8) if in_header else pos] = byte
         path = where / "b.sparse"
         path.write_bytes(bytes(data))
-        try:
-            tiny.apply(path)
-        except SparseInferError as e:
-            assert "\n" not in str(e)
-            assert not sparse_ffns(tiny.model)
-            return
-        try:
-            with torch.inference_mode():
-                assert torch.isfinite(tiny.decode()).all()
-        finally:
-            tiny.reset()
+        _apply_or_refuse(tiny, path)
 
     run()
