@@ -124,7 +124,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     p = catalog.resolve(None if path is None else str(path))
     _loading_heap()
     src = open_source(p, check_tensors=check_tensors)
-    check_shapes(src)  # (again in build_model) the model's problems before the tokenizer's
+    check_shapes(src)  # the model's problems before the tokenizer's
     tok = _tokenizer(src)  # before the weights: a file's problems show before the long part
     # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
     # run on every thread; decode then keeps torch at one (see `set_threads`)
@@ -132,7 +132,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     torch.set_num_threads(n_threads)
     try:
         with torch.inference_mode():
-            model = build_model(src)
+            model = build_model(src, checked=True)
         src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
         set_act_mode(act_mode, model)
         pack = None

@@ -37,8 +37,10 @@ def check_shapes(src: WeightSource) -> None:
         src.check_readable(name)
 
 
-def build_model(src: WeightSource) -> CausalLM:
-    check_shapes(src)
+def build_model(src: WeightSource, checked: bool = False) -> CausalLM:
+    """The model of `src`; `checked`: the caller ran `check_shapes` already."""
+    if not checked:
+        check_shapes(src)
     src.prefetch()  # GGUF: matrices converted on worker threads while the builder runs
     try:
         model = BUILDERS[src.config.family](src)

@@ -30,15 +30,20 @@ def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return slots
 
 
+def dense_mlps(model: nn.Module) -> list[MLP]:
+    """The model's dense FFNs in layer order; an error when some layer is not one any more."""
+    mlps = [getattr(p, n) for p, n in ffn_slots(model)]
+    if not all(isinstance(m, MLP) for m in mlps):
+        raise SparsityPackError("the model is already sparsified; load it again with dense=True")
+    return mlps
+
+
 def replace_ffns(model: nn.Module, make: Callable[[int, MLP], nn.Module]) -> list[MLP]:
     """Replace each dense `MLP` by `make(layer, mlp)`; return the MLPs (for `restore`).  All or
     nothing: if `make` raises, the layers already replaced get their MLPs back."""
     originals = []
     try:
-        for i, (parent, name) in enumerate(ffn_slots(model)):
-            mlp = getattr(parent, name)
-            if not isinstance(mlp, MLP):
-                raise SparsityPackError("the model is already sparsified; load it again with dense=True")
+        for i, ((parent, name), mlp) in enumerate(zip(ffn_slots(model), dense_mlps(model))):
             originals.append(mlp)
             setattr(parent, name, make(i, mlp))
     except BaseException:
@@ -78,10 +83,7 @@ def sparsify(model: nn.Module, pack=None, mode: str = "predict", density: float 
                          mode=mode, density=density, expected_density=float(layer.freq.float().mean()))
 
     if pack is not None:  # every layer checked before any is replaced
-        mlps = [getattr(p, n) for p, n in ffn_slots(model)]
-        if not all(isinstance(m, MLP) for m in mlps):
-            raise SparsityPackError("the model is already sparsified; load it again with dense=True")
-        pack.check_model(mlps)
+        pack.check_model(dense_mlps(model))
     originals = replace_ffns(model, make)
     if build_decode:  # the neuron-major copies and records, now rather than inside the first decode
         try:
