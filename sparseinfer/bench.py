@@ -1,6 +1,7 @@
 """`sparseinfer bench`: prompt (prefill) and decode throughput on synthetic tokens, after warm-up."""
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -44,6 +45,7 @@ def bench_record(llm, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 
         if best is None or r["decode_tps"] > best["decode_tps"]:
             best = r
     return {"model": str(llm.info.path), "mode": best["mode"], "density": round(best["density"], 4),
+            "load_s": round(llm.info.seconds, 3), "peak_rss_mib": peak_rss_mib(),
             "threads": threads, "prompt_tps": round(best["prompt_tps"], 2), "decode_tps": round(best["decode_tps"], 2),
             "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
             "bytes_per_token": int(best["bytes_per_token"]),
@@ -51,9 +53,21 @@ def bench_record(llm, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 
             "act_mode": cpu.activation_mode(), "kernels": cpu.simd_level()}
 
 
+def peak_rss_mib() -> float | None:
+    """This process's peak resident memory so far (MiB): the loaded model, the caches and the
+    Python runtime with torch; None where the OS does not say."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
+
+
 def format_record(rec: dict, n_prompt: int, n_gen: int) -> str:
     """`bench_record`'s result for people."""
-    return (f"model: {rec['model']}\nthreads: {rec['threads']}, kernels: {rec['kernels']}, activations: {rec['act_mode']}\n"
+    rss = "" if rec.get("peak_rss_mib") is None else f", peak memory {rec['peak_rss_mib']:.0f} MiB"
+    return (f"model: {rec['model']}\nloaded in {rec['load_s']:.2f} s{rss}\nthreads: {rec['threads']}, kernels: {rec['kernels']}, activations: {rec['act_mode']}\n"
             f"mode: {rec['mode']} (density {rec['density']:.3f}, "
             f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
             f"prompt ({n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"

@@ -104,7 +104,7 @@ class LLM:
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
          sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
          device: str | None = "cpu", vram_budget: str | float | None = None, n_seq: int = 1,
-         act_mode: str = "auto", check_tensors: bool = False) -> LLM:
+         act_mode: str = "auto", check_tensors: bool = False, progress: bool = False) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
@@ -116,7 +116,9 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     alive at once (the server's slots), each with its own KV cache on the GPU; act_mode: how the
     CPU kernels round activations for 4/8-bit weights, see `set_act_mode`; check_tensors: scan
     every weight for NaN and infinities as it is read (a damaged file is an error, not garbage
-    output).  Every tensor's shape is checked against the config either way."""
+    output).  Every tensor's shape is checked against the config either way.  progress: show a
+    progress bar of the tensors read on stderr (when it is a terminal and the load takes more
+    than half a second)."""
     _check_act_mode(act_mode)  # before the load, which can take a while
     n_threads = threads or os.cpu_count() or 1
     set_threads(n_threads)
@@ -130,9 +132,14 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     # run on every thread; decode then keeps torch at one (see `set_threads`)
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(n_threads)
+    bar = _progress_bar(src, p) if progress else None
     try:
         with torch.inference_mode():
             model = build_model(src, checked=True)
+        if bar is not None:
+            bar.update(bar.total - bar.n)
+            bar.close()
+            bar = src.on_read = None
         src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
         set_act_mode(act_mode, model)
         pack = None
@@ -143,6 +150,8 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
                 pack = apply_sparsity(model, p, src, None if dense else sparse, density)
     finally:
         torch.set_num_threads(torch_threads)
+        if bar is not None:
+            bar.close()
     info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
     llm = LLM(model, tok, src, ctx_size, info, sparsity=pack)
     from .hybrid import prepare as place_on_device
@@ -153,6 +162,16 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         llm.model.build_steps()  # the decode plans, checked now rather than at the first token
     _settle_heap()
     return llm
+
+
+def _progress_bar(src: WeightSource, path):
+    """A tqdm bar over the tensors of `src`, advanced by its `on_read`."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=src.n_tensors(), desc=f"loading {Path(path).name}", unit="tensor", delay=0.5,
+               disable=None, leave=False)
+    src.on_read = lambda: bar.update(1) if bar.n < bar.total else None
+    return bar
 
 
 def _glibc():
@@ -181,7 +200,7 @@ def _loading_heap() -> None:
     (on the loader threads' arenas too), raising the peak by several of them."""
     libc = _glibc()
     if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
 
 
 def _tokenizer(src: WeightSource):

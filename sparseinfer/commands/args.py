@@ -66,7 +66,7 @@ def load_from_args(a: argparse.Namespace, report: bool = True, **overrides):
               sparse=getattr(a, "sparse", None) or "auto", dense=getattr(a, "dense", False),
               density=getattr(a, "density", None), device=getattr(a, "device", "cpu"),
               vram_budget=getattr(a, "vram_budget", None), act_mode=getattr(a, "act_mode", "auto"),
-              check_tensors=getattr(a, "check_tensors", False))
+              check_tensors=getattr(a, "check_tensors", False), progress=True)
     t0 = time.perf_counter()
     llm = load(getattr(a, "model", None), **(kw | overrides))
     if report and getattr(a, "verbose", False):

@@ -91,6 +91,9 @@ def release_pages(mm: np.memmap, offset: int = 0, n: int | None = None) -> None:
         m.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
+_READ_BELOW = 1 << 16  # bytes: smaller tensors are read, not mapped (see `GGUFTensor.data`)
+
+
 class GGUFTensor:
     """One tensor's info and a lazy view of its bytes (like gguf's ReaderTensor, minus the cost)."""
 
@@ -109,8 +112,21 @@ class GGUFTensor:
 
     @property
     def data(self) -> np.ndarray:
-        """Float types as (rows, cols) floats; block types as (rows, bytes_per_row) uint8."""
-        raw = self._mm[self.data_offset : self.data_offset + self.n_bytes]
+        """Float types as (rows, cols) floats; block types as (rows, bytes_per_row) uint8.
+
+        A small tensor (norms, biases) is read into a private buffer instead: touching a
+        mapping can map a whole large page of the file around it (several MB across a
+        model's norms) that a per-tensor `release` cannot give back, as the tensor covers
+        no whole page of it."""
+        if self.n_bytes <= _READ_BELOW:
+            with open(self._mm.filename, "rb") as f:
+                f.seek(self.data_offset)
+                raw = np.frombuffer(bytearray(f.read(self.n_bytes)), dtype=np.uint8)
+            if raw.size != self.n_bytes:
+                raise ModelFormatError(f"{self._mm.filename}: tensor {self.name!r} ends past the end of the file; "
+                                       "the file changed while it was being read")
+        else:
+            raw = self._mm[self.data_offset : self.data_offset + self.n_bytes]
         cols = int(self.shape[0])
         rows = self.n_elements // max(cols, 1)
         name = self.tensor_type.name
@@ -170,6 +186,7 @@ class GGUFFile:
                         for name, shape, qtype, off, n_bytes in infos]
         self._check_layout()
         del self._buf
+        release_pages(self._mm, 0, self.data_start)  # the header is parsed: its pages can go
 
     # -- errors and bounds
     def _fail(self, what: str, advice: str = _DAMAGED):

@@ -89,6 +89,7 @@ class WeightSource:
     path: Path
     falcon_qkv_grouped = False  # HF Falcon new-arch stores qkv interleaved per KV group
     check_tensors = False  # `qweight` / `tensor` refuse weights holding NaN or infinities
+    on_read = None  # called with no arguments after each tensor is read (load progress)
 
     def has(self, name: str) -> bool:
         raise NotImplementedError
@@ -117,6 +118,8 @@ class WeightSource:
         """x (a float tensor or a QWeight, as the model will compute with it), checked for NaN
         and infinities when `check_tensors` is set; for 4/8-bit formats those can only be in
         the block scales (the codes are integers)."""
+        if self.on_read is not None:
+            self.on_read()
         if not self.check_tensors:
             return x
         if isinstance(x, torch.Tensor):
@@ -141,6 +144,10 @@ class WeightSource:
         """Stop `prefetch` and drop what the builder did not ask for."""
 
     def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def n_tensors(self) -> int:
+        """How many tensors the file holds (the length of a load's progress)."""
         raise NotImplementedError
 
 
@@ -244,6 +251,9 @@ class GGUFSource(WeightSource):
             x = x[llama_qk_unpermute_index(x.shape[0], heads)]
         return self._checked(name, x)
 
+    def n_tensors(self) -> int:
+        return len(self.reader.tensors)
+
     def fingerprint(self) -> str:
         return _fingerprint(self.path, [(t.name, t.tensor_type.name, tuple(int(s) for s in t.shape)) for t in self.reader.tensors])
 
@@ -327,6 +337,9 @@ class SafetensorsSource(WeightSource):
         t = self.tensor(name)
         fmt = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(t.dtype, "f32")
         return from_float(t, fmt) if fmt == "f32" else QWeight(fmt, t.shape[0], t.shape[1], t.contiguous())
+
+    def n_tensors(self) -> int:
+        return len(self._where)
 
     def fingerprint(self) -> str:
         items = []
