@@ -193,9 +193,9 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
 def _loading_heap() -> None:
-    """While loading (glibc): allocations of 1 MB and more get their own mappings, so a
-    weight-sized temporary (repacking, permuted copies, neuron records) goes back to the OS
-    when freed.  glibc's default threshold rises to the size of the largest block freed, after
+    """While loading (glibc): allocations of 64 KB and more get their own mappings, so a
+    temporary of a weight's size (repacking, permuted copies, neuron records; a small model's
+    matrices are a few hundred KB) goes back to the OS when freed.  glibc's default threshold rises to the size of the largest block freed, after
     which such temporaries are carved from the heap and stay resident until the end of the load
     (on the loader threads' arenas too), raising the peak by several of them."""
     libc = _glibc()
