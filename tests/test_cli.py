@@ -87,7 +87,7 @@ def test_load_from_args_passes_the_options(monkeypatch):
                                    "--act-mode", "int8", "-p", "hi"])
     assert args.load_from_args(a) == "llm"
     assert seen == dict(path="x.gguf", ctx_size=64, threads=3, sparse="auto", dense=False, density=0.25,
-                        device="auto", vram_budget=None, act_mode="int8", check_tensors=False)
+                        device="auto", vram_budget=None, act_mode="int8", check_tensors=False, progress=True)
     seen.clear()
     for cmd in (["run", "-p", "hi"], ["chat"], ["bench"], ["ppl"], ["serve"]):
         args.load_from_args(build_parser().parse_args([*cmd, "-m", "x.gguf", "--check-tensors"]))
