@@ -127,7 +127,12 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     _loading_heap()
     src = open_source(p, check_tensors=check_tensors)
     check_shapes(src)  # the model's problems before the tokenizer's
-    tok = _tokenizer(src)  # before the weights: a file's problems show before the long part
+    src.prefetch()  # the matrices' conversion (worker threads) overlaps the tokenizer's build
+    try:
+        tok = _tokenizer(src)  # before the weights: a file's problems show before the long part
+    except BaseException:
+        src.end_prefetch()
+        raise
     # torch's whole-matrix copies at load (fusing, permuting, transposing down projections)
     # run on every thread; decode then keeps torch at one (see `set_threads`)
     torch_threads = torch.get_num_threads()
