@@ -72,6 +72,9 @@ def test_option_errors_come_before_the_load(tmp_path):
     r = run_cli("prepare", str(tmp_path / "none.gguf"), "--target-sparsity", "1.5")
     assert r.returncode == 1 and "--target-sparsity must be in [0, 1)" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    for flag, value, says in (("--steps", "0", "--steps must be at least 1"), ("--recall", "1.5", "--recall must be in")):
+        r = run_cli("prepare", str(tmp_path / "none.gguf"), flag, value)
+        assert r.returncode == 1 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_load_from_args_passes_the_options(monkeypatch):

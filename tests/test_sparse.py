@@ -515,7 +515,8 @@ def test_not_a_pack_is_refused(tmp_path):
         resolve_pack(tmp_path, tmp_path / "missing.sparse")
 
 
-def test_build_pack_tiny(tmp_path):
+@pytest.mark.parametrize("steps", [20, 10, 1])  # few steps: the learning-rate schedule still works
+def test_build_pack_tiny(tmp_path, steps):
     """The whole pipeline on a tiny gated model: thresholds hit the target sparsity, the hot
     set comes first, the reported recall is measured, and the model is left dense."""
     from sparseinfer.sparse.prepare import PrepareOptions, build_pack
@@ -527,7 +528,7 @@ def test_build_pack_tiny(tmp_path):
     x = torch.randint(3, 250, (1, 8), generator=g)
     with torch.inference_mode():
         before = model(x, model.new_cache(16))
-        pack = build_pack(model, src, cs, PrepareOptions(sizes=(16,), steps=20, target_sparsity=0.6, progress=False))
+        pack = build_pack(model, src, cs, PrepareOptions(sizes=(16,), steps=steps, target_sparsity=0.6, progress=False))
         after = model(x, model.new_cache(16))
     torch.testing.assert_close(after, before)
     assert not sparse_ffns(model)

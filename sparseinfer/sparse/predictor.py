@@ -244,7 +244,10 @@ def _train_loop(data: LayerData, r: int, cfg: TrainConfig, mu: torch.Tensor, sd:
     torch.manual_seed(cfg.seed + r)
     net = _Net(data.x.shape[1], r, data.n, prior)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.steps, pct_start=0.1)
+    # warm-up over 10% of the steps, at least two (torch's one-cycle schedule divides by the
+    # warm-up length minus one, and by the length of the rest)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=max(cfg.steps, 4),
+                                                pct_start=max(0.1, 2 / max(cfg.steps, 4)))
     loss_fn = nn.BCEWithLogitsLoss(pos_weight=torch.tensor(cfg.pos_weight))
     xs = ((data.inputs(data.train) - mu) / sd).clone()  # standardized once: (N_train, d) f32
     ys = data.targets(data.train).clone()                 # unpacked once: (N_train, n) bool

@@ -59,6 +59,12 @@ def check_options(opts: PrepareOptions) -> None:
         raise SparseInferError("give --target-sparsity or --max-ppl-increase, not both")
     if opts.target_sparsity is not None and not 0.0 <= opts.target_sparsity < 1.0:
         raise SparseInferError(f"--target-sparsity must be in [0, 1), got {opts.target_sparsity}")
+    if opts.steps < 1:
+        raise SparseInferError(f"--steps must be at least 1, got {opts.steps}")
+    if opts.tokens < 1:
+        raise SparseInferError(f"--tokens must be at least 1, got {opts.tokens}")
+    if not 0.0 < opts.recall <= 1.0:
+        raise SparseInferError(f"--recall must be in (0, 1], got {opts.recall}")
     if opts.plot and importlib.util.find_spec("matplotlib") is None:
         raise SparseInferError("the activation plot needs matplotlib: pip install 'sparseinfer[plots]' (or --no-plot)")
 
