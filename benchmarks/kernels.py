@@ -103,7 +103,7 @@ def random_rows_probe(row_bytes, frac, nbytes=1 << 30, reps=5):
     """GB/s reading a random sorted `frac` of whole rows of `row_bytes` (no compute): what
     memory gives the access pattern of the sparse kernels.  The best of three ways: whole rows
     prefetched 8 ahead in software; the hardware prefetchers alone (which read longer rows
-    faster on the Xeon: 2880-byte rows 20.2 vs ~17 GB/s, 2 threads); and 8 rows at a time, line
+    faster on some CPUs); and 8 rows at a time, line
     by line across them, as the one-token kernels now read (8 streams per core: faster again
     for short rows)."""
     buf = alloc((nbytes,), torch.uint8)
@@ -338,38 +338,20 @@ class Bench:
 NOTES = """
 ## Notes
 
-- The machine is shared: other jobs held one or both cores during these runs (load average in
-  the header), which costs our 2-thread kernels CPU time the memory-bound probe hardly needs.
-  Timings are best-of-5 and still move by +-30% between runs; rerun on an idle machine before
-  quoting exact figures.
-- Dense gemv is memory-bound: per core, with the weights in L2, the kernels compute q4 at
-  ~31 GB/s of weights, q8 ~35, f16 ~50, f32 ~60, while one core can stream ~21-26 GB/s from
-  DRAM (the probe with one thread is nearly as fast as with two).  Single-thread runs with the
-  other core free reached 70-84% of the single-thread probe for q4/q8 (17-20 GB/s) and ~76%
-  for f16.  With 2 threads next to other jobs, the tables above: 57-72% of the best probe.
-  The >= 80% target for q4/q8 is therefore met by one core in good moments but was not
-  demonstrated with 2 threads on this shared machine.
-- What mattered for q4 dense (35% -> 70-85% of the probe per core): each 4-row tile takes its
-  rows from 4 separate quarters of its chunk (interleaved 2 KB rows in one 4 KB page defeated
-  the hardware prefetcher) and the next tile's rows and scales are prefetched into L2.
-- Sparse kernels read scattered rows, which DRAM serves slower than a stream: see the
-  random-row probe (whole rows, prefetched, no compute).  Short rows suffer most (a 1536-wide
-  q4 row with its scales is 960 bytes), so at 10% of uniformly random rows the speedup over a
-  dense gemv is bounded by 10 x (random-row probe / dense GB/s), about 5x for that shape.
-  Real activations cluster once neurons are reordered by hotness, which reads better.
-- `axpy_rows` in q4 is compute-heavy: each nibble becomes a float FMA into y (one core, cached:
-  ~14 GB/s of weights with AVX-512 against ~30 for gemv_rows); q8 and the float formats are
-  not.  Many-row calls cut the row list into partitions that stream whole rows (their number
-  depends only on n, so the result does not depend on the thread count), and the kernels take
-  each partition 8 rows at a time, one from each eighth of it (8 row streams far apart).
-- Weight buffers on 2 MB pages (`cpu.empty_hugepages`, used here for every weight copy) help
-  scattered reads: one core reading 10% of 768-byte rows went from ~4.5 to ~7 GB/s.
-- Prefill: the integer formats multiply int8 activations (per block of 32) with VPDPBUSD,
-  ~140 GOPS per core for q4; torch's bf16 matmul is faster at large M but rounds the
-  activations to bf16.  On CPUs with AMX (level `avx512amx`) q4/q8/q6 products run on the
-  tile unit, 2.3-4x the VNNI tiles from 128 tokens; its per-block f32 scaling, not the
-  integer products, is what bounds them.  torch `index_select` + `linear` copies the rows first, which costs
-  about what the dense product does; numba reaches ~1 GB/s on q4.
+- On a shared machine other jobs take CPU time that the 2-thread kernels need and the
+  memory-bound probe hardly does: compare only runs made side by side, and rerun on an idle
+  machine before quoting exact figures (the load average is in the header).
+- Dense gemv is bounded by the read bandwidth (the probe) when a core computes faster than
+  it can stream; the percentage of the probe per format says how close each kernel comes.
+- Sparse kernels read scattered rows, which memory serves slower than a stream (the
+  random-row probe: whole rows, prefetched, no compute), and short rows suffer most; so at an
+  active fraction f the speedup over dense gemv is bounded by (1/f) x (random-row probe /
+  dense GB/s).  Rows reordered by hotness cluster, which reads better.
+- Weight buffers on 2 MB pages (`cpu.empty_hugepages`, used for every weight copy here) help
+  scattered reads.
+- `torch index_select + linear` copies the rows first, which costs about what the dense
+  product does: it is the baseline a row-sparse kernel must beat.
+- What each kernel does and why is in docs/kernels.md.
 """
 
 
@@ -409,9 +391,8 @@ def write_markdown(path, b: Bench, meta):
         f"{meta.get('llc') or llc_text()}).  A sparse kernel at active fraction f touches only f of it per pass"
         + (", so every timed pass starts after reading a buffer twice the size of the last-level cache: sparse passes "
            "read from DRAM, not from what the previous pass left in cache.  " if meta.get("flush") else
-           ": when that is not far beyond the cache, part of its reads are cache hits (on the 480 MB-L3 Xeon, q4 "
-           "`gemv_rows` at 0.1 read 4.2x faster than dense with 0.6 GB working sets, 3.5-3.7x with 1.5-2.4 GB), so "
-           "quote sparse speedups from full runs.  "),
+           ": when that is not far beyond the cache, part of its reads are cache hits (a large last-level cache "
+           "inflates sparse speedups measured on small working sets), so quote sparse speedups from full runs.  "),
         "Integer weights are laid out " + {
             "rows": "with each row's scales (and mins) just before its values (`cpu.interleave_rows`), "
                     "dense and sparse alike.  ",
