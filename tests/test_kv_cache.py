@@ -218,3 +218,29 @@ def test_cli_flag(command):
     a = build_parser().parse_args([command, "--cache-type", "q8_0"])
     assert a.cache_type == "q8_0"
     assert build_parser().parse_args([command]).cache_type == "f16"
+
+
+@pytest.mark.usefixtures("precise_activations")
+def test_accelerator_caches_take_the_type(tmp_path):
+    """A placed model (torch on the CPU standing in for the GPU) keeps its device layers' K/V in
+    the cache type it was planned for, counts them so (`kv_bytes`), and runs with each type."""
+    from sparseinfer.hybrid import place_model
+    from sparseinfer.hybrid.costs import kv_bytes
+    from sparseinfer.hybrid.model import DeviceLayerKV
+
+    from test_hybrid import budget_at, sparsify
+
+    path = save_folder(hf_model("llama"), tmp_path / "llama")
+    toks = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for t in CACHE_TYPES:
+        m = build_model(SafetensorsSource(path))
+        stats = sparsify(m, 0.0)
+        hm, p = place_model(m, "cpu", budget_at(m, 1.0), 64, stats, use_cache=False, cache_type=t)
+        assert all(p.attn_on_device)
+        cache = hm.new_cache()
+        assert all(isinstance(layer, DeviceLayerKV) and layer.cache_type == t for layer in cache.layers)
+        assert hm.kv_pools[0].limit == kv_bytes(hm.config, 64, t)
+        logits[t], _ = stepwise(hm, toks, cache)
+    assert float((logits["f16"] - logits["f32"]).abs().max()) < 5e-3
+    assert float((logits["q8_0"] - logits["f32"]).abs().max()) < 5e-2
