@@ -15,6 +15,7 @@ from .errors import ContextOverflowError, ModelFormatError, SparseInferError
 from .generate import (GenerationResponse, make_sampler, presence_frequency_penalty, repetition_penalty,
                        stream_generate as _stream)
 from .io.weights import WeightSource, open_source
+from .kv_cache import DEFAULT_CACHE_TYPE, check_cache_type
 from .models.base import CausalLM
 from .models.registry import build_model, check_shapes
 
@@ -43,8 +44,14 @@ class LLM:
     def config(self) -> ModelConfig:
         return self.model.config
 
-    def new_cache(self):
-        return self.model.new_cache(self.ctx_size)
+    @property
+    def cache_type(self) -> str:
+        """The KV cache type of new caches: "f32", "f16" or "q8_0" (`sparseinfer.kv_cache`)."""
+        return self.model.cache_type
+
+    def new_cache(self, max_len: int | None = None):
+        """A KV cache of `cache_type` for `max_len` tokens (default: the context size)."""
+        return self.model.new_cache(max_len or self.ctx_size, self.cache_type)
 
     # -- prompts
     def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
@@ -104,7 +111,8 @@ class LLM:
 def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, threads: int | None = None,
          sparse: str | os.PathLike | None = "auto", dense: bool = False, density: float | None = None,
          device: str | None = "cpu", vram_budget: str | float | None = None, n_seq: int = 1,
-         act_mode: str = "auto", check_tensors: bool = False, progress: bool = False) -> LLM:
+         act_mode: str = "auto", check_tensors: bool = False, cache_type: str = DEFAULT_CACHE_TYPE,
+         progress: bool = False) -> LLM:
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
@@ -116,10 +124,13 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     alive at once (the server's slots), each with its own KV cache on the GPU; act_mode: how the
     CPU kernels round activations for 4/8-bit weights, see `set_act_mode`; check_tensors: scan
     every weight for NaN and infinities as it is read (a damaged file is an error, not garbage
-    output).  Every tensor's shape is checked against the config either way.  progress: show a
+    output).  Every tensor's shape is checked against the config either way.  cache_type: the
+    KV cache's element type, "f16" (default), "q8_0" (about half of f16's bytes, a slightly
+    larger error) or "f32" (exact, twice f16's bytes); see `sparseinfer.kv_cache`.  progress: show a
     progress bar of the tensors read on stderr (when it is a terminal and the load takes more
     than half a second)."""
     _check_act_mode(act_mode)  # before the load, which can take a while
+    check_cache_type(cache_type)
     n_threads = threads or os.cpu_count() or 1
     set_threads(n_threads)
     t0 = time.perf_counter()
@@ -147,6 +158,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
             bar = src.on_read = None
         src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
         set_act_mode(act_mode, model)
+        model.cache_type = cache_type
         pack = None
         if not dense or density is not None:
             from .sparse.apply import apply_sparsity
@@ -163,7 +175,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
 
     with torch.inference_mode():
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
-                                                   n_seq=n_seq)
+                                                   n_seq=n_seq, cache_type=cache_type)
         llm.model.build_steps()  # the decode plans, checked now rather than at the first token
     _settle_heap()
     return llm

@@ -90,11 +90,12 @@ def test_load_from_args_passes_the_options(monkeypatch):
                                    "--act-mode", "int8", "-p", "hi"])
     assert args.load_from_args(a) == "llm"
     assert seen == dict(path="x.gguf", ctx_size=64, threads=3, sparse="auto", dense=False, density=0.25,
-                        device="auto", vram_budget=None, act_mode="int8", check_tensors=False, progress=True)
+                        device="auto", vram_budget=None, act_mode="int8", check_tensors=False, cache_type="f16",
+                        progress=True)
     seen.clear()
     for cmd in (["run", "-p", "hi"], ["chat"], ["bench"], ["ppl"], ["serve"]):
-        args.load_from_args(build_parser().parse_args([*cmd, "-m", "x.gguf", "--check-tensors"]))
-        assert seen["check_tensors"] is True, cmd
+        args.load_from_args(build_parser().parse_args([*cmd, "-m", "x.gguf", "--check-tensors", "--cache-type", "q8_0"]))
+        assert seen["check_tensors"] is True and seen["cache_type"] == "q8_0", cmd
     seen.clear()
     args.load_from_args(argparse.Namespace(model=None, threads=None), dense=True)
     assert seen["device"] == "cpu" and seen["dense"] is True and seen["path"] is None

@@ -70,7 +70,7 @@ def test_decode_steps_match_transformers(kind, tmp_path, tokens, monkeypatch):
     hf = hf_model(kind)
     model = build_model(SafetensorsSource(save_folder(hf, tmp_path / kind)))
     count = Count(monkeypatch)
-    ours, _ = stepwise(model, tokens)
+    ours, _ = stepwise(model, tokens, model.new_cache(64, "f32"))  # transformers' K/V are float32
     layers = len(model.layers)
     assert count.n == {"attn": layers * 10, "mlp": layers * 10}
     with torch.no_grad():

@@ -15,14 +15,15 @@ pytestmark = pytest.mark.usefixtures("precise_activations")
 KINDS = ["llama", "llama-relu", "mistral", "qwen2", "falcon", "falcon-40b", "opt"]
 
 
+# transformers keeps K/V in float32: these comparisons use the exact f32 cache
 def ours_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        return model(tokens, model.new_cache(64))
+        return model(tokens, model.new_cache(64, "f32"))
 
 
 def ours_stepwise(model, tokens: torch.Tensor) -> torch.Tensor:
     """Prefill the first 5 tokens, then decode the rest one at a time through the cache."""
-    cache = model.new_cache(64)
+    cache = model.new_cache(64, "f32")
     with torch.inference_mode():
         outs = [model(tokens[:, :5], cache)]
         for t in range(5, tokens.shape[1]):

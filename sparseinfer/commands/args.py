@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from ..errors import SparseInferError
+from ..kv_cache import CACHE_TYPES, DEFAULT_CACHE_TYPE
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,14 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-mode", default="auto", choices=("auto", "int8", "precise"),
                    help="activation rounding for 4/8-bit weights: int8 (llama.cpp's), precise (two int8 terms, "
                         "~f32; slower decode), auto (precise for models under 256 MiB; default)")
+    cache_type_arg(p)
     check_tensors_arg(p)
+
+
+def cache_type_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-type", default=DEFAULT_CACHE_TYPE, choices=CACHE_TYPES,
+                   help="KV cache element type: f16 (default), q8_0 (about half of f16's memory, slightly less "
+                        "exact) or f32 (exact, twice f16's memory)")
 
 
 def check_tensors_arg(p: argparse.ArgumentParser) -> None:
@@ -66,7 +74,8 @@ def load_from_args(a: argparse.Namespace, report: bool = True, **overrides):
               sparse=getattr(a, "sparse", None) or "auto", dense=getattr(a, "dense", False),
               density=getattr(a, "density", None), device=getattr(a, "device", "cpu"),
               vram_budget=getattr(a, "vram_budget", None), act_mode=getattr(a, "act_mode", "auto"),
-              check_tensors=getattr(a, "check_tensors", False), progress=True)
+              check_tensors=getattr(a, "check_tensors", False),
+              cache_type=getattr(a, "cache_type", DEFAULT_CACHE_TYPE), progress=True)
     t0 = time.perf_counter()
     llm = load(getattr(a, "model", None), **(kw | overrides))
     if report and getattr(a, "verbose", False):

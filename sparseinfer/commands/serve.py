@@ -7,7 +7,7 @@ import sys
 import time
 
 from ..errors import SparseInferError
-from .args import check_tensors_arg, load_from_args, sparse_args
+from .args import cache_type_arg, check_tensors_arg, load_from_args, sparse_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sparse_args(p, density=False)
     p.add_argument("--act-mode", default="auto", choices=("auto", "int8", "precise"),
                    help="activation rounding for 4/8-bit weights (see `sparseinfer run --help`)")
+    cache_type_arg(p)
     check_tensors_arg(p)
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug logs")
 

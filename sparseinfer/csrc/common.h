@@ -44,6 +44,18 @@
 
 enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_COUNT = 6 };
 enum { XL_NATURAL = 0, XL_Q4 = 1 };
+/* KV cache element types (si_attn_plan_t.kv_type; sparseinfer/kv_cache.py is the authority).
+ * One cached position of one KV head is a row of D values:
+ *   KV_F32: D floats;  KV_F16: D IEEE halves;
+ *   KV_Q8_0: ceil(D/32) blocks of 34 bytes, GGUF Q8_0's: an f16 scale d, then 32 int8 q;
+ *       value = d*q; the values of the last block past D are 0.  A row is quantized once,
+ *       when its token is written: amax = max|x|, d = amax/127, q = round_even(x * (1/d)). */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8_0 = 2, KV_COUNT = 3 };
+#define SI_Q8_0_BLOCK 34
+
+static inline int64_t si_kv_row_bytes(int type, int64_t D) {
+    return type == KV_F32 ? 4 * D : type == KV_F16 ? 2 * D : SI_Q8_0_BLOCK * ((D + 31) / 32);
+}
 enum { ACT_SILU = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_COUNT = 4 };
 /* Activation precision of the integer formats: one int8 term per block of 32 (llama.cpp's Q8
  * activations; default) or two (about f32 accuracy). */
@@ -107,11 +119,12 @@ typedef struct {
      * benchmark, see rec_prefetch */
     int rec_prefetch_whole;
     /* single-token attention of up to SI_ATT_MAXG query heads over one KV head (see
-     * si_attend_heads_avx2 below) for head sizes D that are multiples of attend_w; NULL: the
-     * portable version in norm_attn.c */
-    void (*attend)(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D, int64_t L,
-                   float scale);
+     * si_attend_fn below), one per KV cache type (KV_*), for head sizes D that are multiples
+     * of attend_w; NULL: the portable version in norm_attn.c */
+    const struct si_attend_fns *attend;
     int attend_w;
+    /* write one cache row (KV_* layout above) of D values x */
+    void (*kv_store)(int type, const float *x, void *row, int64_t D);
     /* many-token products (T > 1) give each task a multiple of this many rows (0: 4), so that
      * a level whose tiles span more rows (avx512amx: 16) splits the same way for any thread
      * count */
@@ -125,18 +138,22 @@ typedef struct {
 /* de of one token from its block scales d (layout as described above) */
 void si_fill_de(int layout, int64_t nb, const float *d, float *de);
 
-/* Single-token attention of n query heads (rows of q, D floats) over one KV head's L rows of
- * K and V: scores in sc (n x L), output rows in o; D a multiple of 8, n <= SI_ATT_MAXG.
+/* Single-token attention of n query heads (rows of q, D floats) over one KV head's L cached
+ * rows of K and V (si_kv_row_bytes(type, D) bytes each, layout KV_*): scores in sc (n x L),
+ * output rows in o; D a multiple of the level's vector width, n <= SI_ATT_MAXG.
  * norm_attn.c's si_attend1 splits the heads and has the portable version. */
 #define SI_ATT_MAXG 8
+typedef void (*si_attend_fn)(const float *q, const void *K, const void *V, float *sc, float *o, int n, int64_t D,
+                             int64_t L, float scale);
+struct si_attend_fns {
+    si_attend_fn by_type[KV_COUNT];
+};
 #if SI_X86
 void si_act_avx2(int act, float *v, int64_t n); /* also the AVX-512 levels' */
-void si_attend_heads_avx2(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
-                          int64_t L, float scale);
+extern const struct si_attend_fns si_attend_avx2;   /* 8-float vectors (kern_avx2.c); D a multiple of 8 */
+extern const struct si_attend_fns si_attend_avx512; /* 16-float vectors (kern_avx512.c); D a multiple of 16 */
 void si_softmax_rows_avx2(float *sc, int n, int64_t L);
-/* the same with 16-float vectors (kern_avx512.c); D a multiple of 16 */
-void si_attend_heads_avx512(const float *q, const float *K, const float *V, float *sc, float *o, int n, int64_t D,
-                            int64_t L, float scale);
+void si_kv_store_avx2(int type, const float *x, void *row, int64_t D); /* F16C; also the AVX-512 levels' */
 #endif
 #ifndef ATT_LB
 #define ATT_LB 64 /* positions per block of the P V product (their V rows stay in L1/L2) */
@@ -169,6 +186,50 @@ static inline float si_bf2f(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+/* f32 -> f16 rounded to nearest, ties to even (as F16C and torch round); NaN stays NaN,
+ * magnitudes from 65520 up become infinity */
+static inline uint16_t si_f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00u;
+    if (ax >= 0x477ff000u) return sign | 0x7c00u;
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half, a multiple of 2^-24 (exact product) */
+        float a;
+        memcpy(&a, &ax, 4);
+        return sign | (uint16_t)lrintf(a * 16777216.0f);
+    }
+    /* drop 13 mantissa bits, rounding to nearest even; a carry into the exponent is correct */
+    const uint32_t r = ax + 0x0fffu + ((ax >> 13) & 1u);
+    return sign | (uint16_t)((r >> 13) - ((127u - 15u) << 10));
+}
+
+/* one KV_Q8_0 row of D values (layout above), portable; the SIMD levels produce the same bytes */
+static inline void si_q8_0_row(const float *x, int64_t D, uint8_t *row) {
+    for (int64_t b = 0; b * 32 < D; b++) {
+        const float *xb = x + b * 32;
+        const int64_t n = D - b * 32 < 32 ? D - b * 32 : 32;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < n; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        uint8_t *blk = row + b * SI_Q8_0_BLOCK;
+        const uint16_t h = si_f2h(d);
+        memcpy(blk, &h, 2);
+        for (int64_t j = 0; j < 32; j++) blk[2 + j] = (uint8_t)(int8_t)(j < n ? lrintf(xb[j] * id) : 0);
+    }
+}
+
+/* value i of a cache row of type KV_* (the portable kernels' reading) */
+static inline float si_kv_value(int type, const void *row, int64_t i) {
+    if (type == KV_F32) return ((const float *)row)[i];
+    if (type == KV_F16) return si_h2f(((const uint16_t *)row)[i]);
+    const uint8_t *blk = (const uint8_t *)row + (i >> 5) * SI_Q8_0_BLOCK;
+    uint16_t d;
+    memcpy(&d, blk, 2);
+    return si_h2f(d) * (float)(int8_t)blk[2 + (i & 31)];
 }
 
 static inline int64_t si_row(const int32_t *rows, int64_t i) { return rows ? (int64_t)rows[i] : i; }

@@ -33,7 +33,7 @@ static void rope(float *v, int64_t nh, int64_t D, int64_t n_rot, const float *co
 }
 
 void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
-                    float *kc, float *vc, int64_t kstride, int64_t vstride, int64_t pos) {
+                    void *kc, void *vc, int64_t kstride, int64_t vstride, int64_t pos) {
     const int64_t n = p->n, H = p->H, Hk = p->Hk, D = p->D;
     const int fused = p->k.fmt < 0;
     const int64_t nq = H * D, nkv = Hk * D, nt = nq + 2 * nkv;
@@ -53,11 +53,13 @@ void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const fl
     if (p->bv)
         for (int64_t i = 0; i < nkv; i++) y[nq + nkv + i] += p->bv[i];
     if (p->n_rot > 0) rope(y, H + Hk, D, p->n_rot, cos, sin);
-    for (int64_t h = 0; h < Hk; h++) {
-        memcpy(kc + h * kstride + pos * D, y + nq + h * D, (size_t)D * sizeof(float));
-        memcpy(vc + h * vstride + pos * D, y + nq + nkv + h * D, (size_t)D * sizeof(float));
+    const int type = (int)p->kv_type;
+    const int64_t rb = si_kv_row_bytes(type, D);
+    for (int64_t h = 0; h < Hk; h++) { /* converted (quantized) once, as it is written */
+        si_kv_store(type, y + nq + h * D, (char *)kc + h * kstride + pos * rb, D);
+        si_kv_store(type, y + nq + nkv + h * D, (char *)vc + h * vstride + pos * rb, D);
     }
-    si_attend1(y, kc, vc, att, H, Hk, D, pos + 1, kstride, vstride, p->scale);
+    si_attend1(type, y, kc, vc, att, H, Hk, D, pos + 1, kstride, vstride, p->scale);
     si_gemv(&p->o, att, ob);
     if (p->bo)
         for (int64_t i = 0; i < n; i++) ob[i] += p->bo[i];
@@ -288,6 +290,7 @@ const char *si_check_attn_plan(si_attn_plan_t *p) {
     const int64_t n = p->n, H = p->H, Hk = p->Hk, D = p->D;
     if (n < 1 || H < 1 || Hk < 1 || D < 1 || H % Hk || p->n_rot < 0 || p->n_rot > D || p->n_rot % 2)
         return "bad head counts or sizes";
+    if (p->kv_type < 0 || p->kv_type >= KV_COUNT) return "unknown KV cache type";
     if ((p->k.fmt < 0) != (p->v.fmt < 0)) return "k and v must both be given or both fused into q";
     if (p->k.fmt < 0) {
         if (!shape(&p->q, (H + 2 * Hk) * D, n) || p->bk || p->bv) return "fused q/k/v weight has the wrong shape";

@@ -671,11 +671,19 @@ void si_softmax_rows_avx2(float *sc, int n, int64_t L) {
     }
 }
 
-/* si_attend_heads_avx2: attend_impl.h with 8-float vectors (two positions per score step up
- * to 6 heads: 12 accumulators of the 16 registers) */
+/* si_attend_avx2: attend_impl.h with 8-float vectors for each KV cache type (two positions
+ * per score step up to 6 heads: 12 accumulators of the 16 registers) */
+AI __m256 q8_load8(const uint8_t *blk, int64_t j) {
+    uint16_t d;
+    memcpy(&d, blk, 2);
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + j)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(_cvtsh_ss(d)));
+}
 #define AT_V __m256
 #define AT_W 8
 #define AT_LOAD(p) _mm256_loadu_ps(p)
+#define AT_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define AT_LOAD_Q8(blk, j) q8_load8(blk, j)
 #define AT_STORE(p, v) _mm256_storeu_ps(p, v)
 #define AT_ZERO() _mm256_setzero_ps()
 #define AT_SET1(x) _mm256_set1_ps(x)
@@ -683,7 +691,52 @@ void si_softmax_rows_avx2(float *sc, int n, int64_t L) {
 #define AT_SUM(v) hsum8(v)
 #define AT_PAIR_MAX 6
 #define AT_NAME si_attend_heads_avx2
+#define AT_KV 0
 #include "attend_impl.h"
+#define AT_KV 1
+#include "attend_impl.h"
+#define AT_KV 2
+#include "attend_impl.h"
+
+const struct si_attend_fns si_attend_avx2 = {{si_attend_heads_avx2_f32, si_attend_heads_avx2_f16,
+                                              si_attend_heads_avx2_q8_0}};
+
+/* One cache row (common.h, KV_*): halves by F16C (round to nearest even, as si_f2h); Q8_0 blocks
+ * 32 values at a time with the portable quantizer's arithmetic (same bytes), a partial last
+ * block by the portable one. */
+void si_kv_store_avx2(int type, const float *x, void *row, int64_t D) {
+    if (type == KV_F32) {
+        memcpy(row, x, (size_t)D * sizeof(float));
+    } else if (type == KV_F16) {
+        uint16_t *h = row;
+        int64_t i = 0;
+        for (; i + 8 <= D; i += 8)
+            _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < D; i++) h[i] = si_f2h(x[i]);
+    } else {
+        uint8_t *out = row;
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        int64_t b = 0;
+        for (; b * 32 + 32 <= D; b++) {
+            const float *xb = x + b * 32;
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int k = 0; k < 4; k++) {
+                v[k] = _mm256_loadu_ps(xb + 8 * k);
+                m = _mm256_max_ps(m, _mm256_and_ps(v[k], absmask));
+            }
+            const float amax = hmax8(m), d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            __m256i q[4];
+            for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            uint8_t *blk = out + b * SI_Q8_0_BLOCK;
+            const uint16_t h = si_f2h(d);
+            memcpy(blk, &h, 2);
+            _mm256_storeu_si256((__m256i *)(blk + 2), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+        if (b * 32 < D) si_q8_0_row(x + b * 32, D - b * 32, out + b * SI_Q8_0_BLOCK);
+    }
+}
 
 /* v[i] = act(v[i]) in place (decode's FFN activations): SiLU and ReLU 8 at a time, the GELUs
  * element by element.  SiLU through exp_neg on -|v| (no overflow): with t = e^-|v|,
@@ -712,7 +765,8 @@ void si_act_avx2(int act, float *v, int64_t n) {
     }
 }
 
-const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, si_attend_heads_avx2, 8};
+const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, &si_attend_avx2, 8,
+                                   si_kv_store_avx2};
 #else
 typedef int si_empty_translation_unit;
 #endif

@@ -140,4 +140,12 @@ static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
     return acc;
 }
 
-const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, si_act_each, 1, NULL, 0};
+/* One cache row (common.h, KV_*), the portable conversions that the SIMD levels reproduce. */
+static void kv_store(int type, const float *x, void *row, int64_t D) {
+    if (type == KV_F32) memcpy(row, x, (size_t)D * sizeof(float));
+    else if (type == KV_F16)
+        for (int64_t i = 0; i < D; i++) ((uint16_t *)row)[i] = si_f2h(x[i]);
+    else si_q8_0_row(x, D, row);
+}
+
+const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, si_act_each, 1, NULL, 0, kv_store};

@@ -365,20 +365,38 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     Py_RETURN_NONE;
 }
 
-/* attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale): single-token attention, see norm_attn.c */
+/* attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale, type): single-token attention over
+ * K/V rows of cache type `type` (KV_*), KV heads kstride / vstride bytes apart; see norm_attn.c */
 static PyObject *py_attend1(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *q, *k, *v, *o;
-    int64_t H, Hk, D, L, ks, vs;
-    if (!nargs_ok(na, 11, "attend1") || get_ptr(a[0], &q) || get_ptr(a[1], &k) || get_ptr(a[2], &v) ||
+    int64_t H, Hk, D, L, ks, vs, type;
+    if (!nargs_ok(na, 12, "attend1") || get_ptr(a[0], &q) || get_ptr(a[1], &k) || get_ptr(a[2], &v) ||
         get_ptr(a[3], &o) || get_i64(a[4], &H) || get_i64(a[5], &Hk) || get_i64(a[6], &D) || get_i64(a[7], &L) ||
-        get_i64(a[8], &ks) || get_i64(a[9], &vs))
+        get_i64(a[8], &ks) || get_i64(a[9], &vs) || get_i64(a[11], &type))
         return NULL;
     double scale = PyFloat_AsDouble(a[10]);
     if (scale == -1.0 && PyErr_Occurred()) return NULL;
-    if (H < 1 || Hk < 1 || H % Hk || D < 1 || L < 1 || (Hk > 1 && (ks < L * D || vs < L * D)))
+    if (type < 0 || type >= KV_COUNT) return PyErr_Format(PyExc_ValueError, "attend1: unknown KV cache type %lld", (long long)type);
+    const int64_t rb = H < 1 || D < 1 ? 0 : si_kv_row_bytes((int)type, D);
+    if (H < 1 || Hk < 1 || H % Hk || D < 1 || L < 1 || (Hk > 1 && (ks < L * rb || vs < L * rb)))
         return PyErr_Format(PyExc_ValueError, "attend1: bad shape");
     if (!q || !k || !v || !o) return PyErr_Format(PyExc_ValueError, "null data pointer");
-    si_attend1(q, k, v, o, H, Hk, D, L, ks, vs, (float)scale);  /* tens of microseconds: keep the GIL */
+    si_attend1((int)type, q, k, v, o, H, Hk, D, L, ks, vs, (float)scale);  /* tens of microseconds: keep the GIL */
+    Py_RETURN_NONE;
+}
+
+/* kv_store(type, x, row, D): one KV cache row of type `type` (KV_*) from D floats, with the
+ * selected kernel level's conversion (what the decode step writes) */
+static PyObject *py_kv_store(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *x, *row;
+    int64_t type, D;
+    if (!nargs_ok(na, 4, "kv_store") || get_i64(a[0], &type) || get_ptr(a[1], &x) || get_ptr(a[2], &row) ||
+        get_i64(a[3], &D))
+        return NULL;
+    if (type < 0 || type >= KV_COUNT) return PyErr_Format(PyExc_ValueError, "kv_store: unknown KV cache type %lld", (long long)type);
+    if (D < 1) return PyErr_Format(PyExc_ValueError, "kv_store: D must be >= 1");
+    if (!x || !row) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    si_kv_store((int)type, x, row, D);
     Py_RETURN_NONE;
 }
 
@@ -410,8 +428,9 @@ static PyObject *py_check_ffn_plan(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* decode_attn(plan, x, xo, cos, sin, kc, vc, kstride, vstride, pos): one token through an
- * attention half-block on its checked plan (cos/sin 0 without rotary) */
+/* decode_attn(plan, x, xo, cos, sin, kc, vc, kcap, vcap, pos): one token through an
+ * attention half-block on its checked plan (cos/sin 0 without rotary); kc, vc: caches of the
+ * plan's type with kcap / vcap rows per KV head */
 static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     void *p, *x, *xo, *cs, *sn, *kc, *vc;
     int64_t ks, vs, pos;
@@ -422,10 +441,11 @@ static PyObject *py_decode_attn(PyObject *self, PyObject *const *a, Py_ssize_t n
     const si_attn_plan_t *plan = p;
     if (!p || !x || !xo || !kc || !vc || (plan->n_rot && (!cs || !sn)))
         return PyErr_Format(PyExc_ValueError, "null data pointer");
-    if (pos < 0 || ks < (pos + 1) * plan->D || vs < (pos + 1) * plan->D)
+    if (pos < 0 || ks < pos + 1 || vs < pos + 1)
         return PyErr_Format(PyExc_ValueError, "decode_attn: position %lld outside the cache", (long long)pos);
+    const int64_t rb = si_kv_row_bytes((int)plan->kv_type, plan->D);
     Py_BEGIN_ALLOW_THREADS
-    si_decode_attn(plan, x, xo, cs, sn, kc, vc, ks, vs, pos);
+    si_decode_attn(plan, x, xo, cs, sn, kc, vc, ks * rb, vs * rb, pos);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -477,7 +497,7 @@ static PyObject *py_plan_layout(PyObject *self, PyObject *unused) {
     Py_DECREF(t);
     d = PyDict_New();
     if (!d) goto fail;
-    FIELD(si_attn_plan_t, n) FIELD(si_attn_plan_t, n_rot) FIELD(si_attn_plan_t, eps) FIELD(si_attn_plan_t, scale)
+    FIELD(si_attn_plan_t, n) FIELD(si_attn_plan_t, n_rot) FIELD(si_attn_plan_t, kv_type) FIELD(si_attn_plan_t, eps) FIELD(si_attn_plan_t, scale)
     FIELD(si_attn_plan_t, norm_w) FIELD(si_attn_plan_t, q) FIELD(si_attn_plan_t, o) FIELD(si_attn_plan_t, bo)
     t = layout_entry(sizeof(si_attn_plan_t), d), d = NULL;
     if (!t || PyDict_SetItemString(out, "attn", t)) { Py_XDECREF(t); goto fail; }
@@ -548,10 +568,11 @@ static PyMethodDef methods[] = {
     {"act", (PyCFunction)(void (*)(void))py_act, METH_FASTCALL, "act(code, v, n): v = act(v) in place"},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, "rms_norm(x, w, y, rows, n, eps)"},
     {"hidden_rows", (PyCFunction)(void (*)(void))py_hidden_rows, METH_FASTCALL, "hidden_rows(act, relu_up, g, g_stride, u, u_stride, M, n, thr, order, out)"},
-    {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale)"},
+    {"attend1", (PyCFunction)(void (*)(void))py_attend1, METH_FASTCALL, "attend1(q, k, v, o, H, Hk, D, L, kstride, vstride, scale, type)"},
+    {"kv_store", (PyCFunction)(void (*)(void))py_kv_store, METH_FASTCALL, "kv_store(type, x, row, D): one KV cache row"},
     {"check_attn_plan", py_check_attn_plan, METH_O, "check_attn_plan(plan): validate and complete an attention decode plan"},
     {"check_ffn_plan", py_check_ffn_plan, METH_O, "check_ffn_plan(plan): validate and complete an FFN decode plan"},
-    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(plan, x, xo, cos, sin, kc, vc, kstride, vstride, pos)"},
+    {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(plan, x, xo, cos, sin, kc, vc, kcap, vcap, pos)"},
     {"decode_ffn", (PyCFunction)(void (*)(void))py_decode_ffn, METH_FASTCALL, "decode_ffn(plan, x, xo, rows, n_rows)"},
     {"plan_layout", py_plan_layout, METH_NOARGS, "plan_layout(): sizes and field offsets of the plan structs"},
     {"repack_q4_k", (PyCFunction)(void (*)(void))py_repack_q4_k, METH_FASTCALL, "repack_q4_k(src, nsuper, qs, d, m)"},

@@ -36,8 +36,11 @@ void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, flo
 void si_repack_q4_k(const uint8_t *src, int64_t nsuper, uint8_t *qs, float *d, float *m);
 void si_repack_q6_k(const uint8_t *src, int64_t nsuper, uint8_t *qs, float *d);
 void si_dequantize_rows(const qmat_t *w, int64_t r0, int64_t r1, float *out);
-void si_attend1(const float *q, const float *k, const float *v, float *o, int64_t H, int64_t Hk, int64_t D,
+/* single-token attention over a cache of type KV_* (common.h); KV heads kstride / vstride bytes apart */
+void si_attend1(int type, const float *q, const void *k, const void *v, float *o, int64_t H, int64_t Hk, int64_t D,
                 int64_t L, int64_t kstride, int64_t vstride, float scale);
+/* write one cache row of type KV_* from D floats, the best kernel level's conversion */
+void si_kv_store(int type, const float *x, void *row, int64_t D);
 void si_rms_norm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps);
 /* grow-only per-thread buffer `slot` (0..10, see runtime.c) of at least n bytes, 64-byte aligned */
 void *si_scratch(int slot, size_t n);
@@ -64,6 +67,7 @@ typedef struct {
 typedef struct {
     int64_t n;                 /* model width */
     int64_t H, Hk, D, n_rot;   /* heads, KV heads, head width, rotated dims (0: no rotary) */
+    int64_t kv_type;           /* the KV cache's element type, KV_* (common.h) */
     float eps, scale;          /* RMSNorm epsilon; attention scale */
     const float *norm_w;       /* (n) */
     qmat_t q, k, v, o;         /* k.fmt = v.fmt = -1: q is the fused q/k/v weight */
@@ -100,9 +104,10 @@ typedef struct {
 const char *si_check_attn_plan(si_attn_plan_t *p);
 const char *si_check_ffn_plan(si_ffn_plan_t *p);
 /* xo = x + attention(rms_norm(x)) for one token at `pos`, appending its k/v to the caches
- * (KV head h, row pos at kc + h*kstride + pos*D); x and xo may alias */
+ * of type p->kv_type (KV head h, row pos at kc + h*kstride + pos*si_kv_row_bytes(kv_type, D),
+ * strides in bytes); x and xo may alias */
 void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
-                    float *kc, float *vc, int64_t kstride, int64_t vstride, int64_t pos);
+                    void *kc, void *vc, int64_t kstride, int64_t vstride, int64_t pos);
 /* xo = x + ffn(rms_norm(x)) (norm_w set) or ffn(x); rows/n_rows: given candidate rows (sparse;
  * NULL: predicted, or all); x and xo may alias */
 void si_decode_ffn(si_ffn_plan_t *p, const float *x, float *xo, const int32_t *rows, int64_t n_rows);

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..models.layers import Rotary
+from ..kv_cache import DEFAULT_CACHE_TYPE, row_bytes
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 from ..sparse.ffn import SparseFFN
 from ..kernels.torch_device import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes, qweight_device_nbytes
@@ -83,9 +84,9 @@ def dense_ffn_bytes(ffn: nn.Module) -> int:
     return device_bytes(ffn)
 
 
-def kv_bytes(config, ctx_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """K and V of one layer for `ctx_size` positions, batch 1."""
-    one = torch.empty(0, dtype=dtype).element_size() * config.n_kv_heads * ctx_size * config.d_head
+def kv_bytes(config, ctx_size: int, cache_type: str = DEFAULT_CACHE_TYPE) -> int:
+    """K and V of one layer for `ctx_size` positions, batch 1, stored as `cache_type`."""
+    one = row_bytes(cache_type, config.d_head) * config.n_kv_heads * ctx_size
     return 2 * (-(-one // 512) * 512)
 
 
@@ -108,7 +109,7 @@ def scratch_bytes(config, ctx_size: int, n_ffn: int, device_type: str = "cuda",
     return b + (CUDA_WORKSPACE if device_type == "cuda" else 0)
 
 
-def cost_model(model, ctx_size: int, device_type: str = "cuda", kv_dtype: torch.dtype = torch.float32,
+def cost_model(model, ctx_size: int, device_type: str = "cuda", cache_type: str = DEFAULT_CACHE_TYPE,
                chunk: int = DEVICE_CHUNK, n_seq: int = 1) -> CostModel:
     """The `CostModel` of a built `CausalLM` (FFNs: `MLP` or `SparseFFN`) for `n_seq` sequences
     of `ctx_size` tokens alive at once (each with its own KV cache, one forward at a time)."""
@@ -116,7 +117,7 @@ def cost_model(model, ctx_size: int, device_type: str = "cuda", kv_dtype: torch.
     layers, pred_hidden = [], 0
     for block, ffn in zip(model.layers, ffn_modules(model)):
         norms = sum(device_bytes(ch) for ch in block.children() if ch is not block.attn and ch is not ffn)
-        layers.append(LayerCosts(attn=device_bytes(block.attn), kv=n_seq * kv_bytes(c, ctx_size, kv_dtype), norms=norms,
+        layers.append(LayerCosts(attn=device_bytes(block.attn), kv=n_seq * kv_bytes(c, ctx_size, cache_type), norms=norms,
                                  predictor=predictor_device_bytes(ffn), neuron=neuron_bytes(ffn),
                                  n_neurons=ffn.n_neurons, dense_ffn=dense_ffn_bytes(ffn)))
         pred = getattr(ffn, "predictor", None)

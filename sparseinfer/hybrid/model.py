@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import SparseInferError
 from ..kernels import decode_plan
-from ..kv_cache import KVCache, LayerKV
+from ..kv_cache import DEFAULT_CACHE_TYPE, KVCache, LayerKV, row_bytes
 from ..models.base import CausalLM
 from ..models.layers import MLP, Linear, Module, Rotary
 from ..quant import QWeight
@@ -76,19 +76,19 @@ class DeviceLayerKV(LayerKV):
     """A layer's cache on the accelerator, allocated whole at first use (growing it in steps
     would briefly hold two copies) out of the layer's `KVPool`."""
 
-    def __init__(self, max_len: int, dtype, device, pool: KVPool):
-        super().__init__(max_len, dtype, device)
+    def __init__(self, max_len: int, cache_type: str, device, pool: KVPool):
+        super().__init__(max_len, cache_type, device)
         self.pool, self._taken = pool, 0
 
     def _ensure(self, k: torch.Tensor, need: int) -> None:
         if self.k is None and need <= self.max_len:
             B, H, _, D = k.shape
-            one = B * H * self.max_len * D * torch.empty(0, dtype=self.dtype).element_size()
+            one = B * H * self.max_len * row_bytes(self.cache_type, D)
             n = 2 * (-(-one // ALLOC_ROUND) * ALLOC_ROUND)
             self.pool.take(n)
             self._taken = n
-            self.k = torch.zeros(B, H, self.max_len, D, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros_like(self.k)
+            self.d_head = D
+            self.k, self.v = self._alloc(B, H, self.max_len, D), self._alloc(B, H, self.max_len, D)
         super()._ensure(k, need)
 
     def __del__(self):
@@ -101,23 +101,24 @@ class HybridCausalLM(CausalLM):
     """A `CausalLM` with parts on an accelerator; same call signature, logits on the CPU."""
 
     def __init__(self, base: CausalLM, placement: Placement, accel: torch.device, ctx_size: int,
-                 homes: Sequence[torch.device], worker: CpuWorker, kv_dtype=torch.float32, n_seq: int = 1,
+                 homes: Sequence[torch.device], worker: CpuWorker, cache_type: str = DEFAULT_CACHE_TYPE, n_seq: int = 1,
                  chunk: int = DEVICE_CHUNK):
         super().__init__(base.config, base.embed, list(base.layers), base.norm, base.head, base.pos_embed)
         self.placement, self.accel, self.ctx_size = placement, torch.device(accel), ctx_size
-        self.homes, self.worker, self.kv_dtype, self.chunk = list(homes), worker, kv_dtype, chunk
+        self.homes, self.worker, self.cache_type, self.chunk = list(homes), worker, cache_type, chunk
         self.head_device = self.accel if placement.head_on_device else CPU
-        limit = n_seq * kv_bytes(self.config, ctx_size, kv_dtype)
+        limit = n_seq * kv_bytes(self.config, ctx_size, cache_type)
         what = f"{n_seq} sequence(s) of {ctx_size} tokens"
         self.kv_pools = [KVPool(limit, what) if on else None for on in placement.attn_on_device]
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        """A cache whose accelerator layers draw on the placement's KV pools (default: the planned context)."""
-        n = max_len or self.ctx_size
-        cache = KVCache(len(self.layers), n)
+    def new_cache(self, max_len: int | None = None, cache_type: str | None = None) -> KVCache:
+        """A cache whose accelerator layers draw on the placement's KV pools (default: the planned
+        context and cache type)."""
+        n, t = max_len or self.ctx_size, cache_type or self.cache_type
+        cache = KVCache(len(self.layers), n, t)
         for i, pool in enumerate(self.kv_pools):
             if pool is not None:
-                cache.layers[i] = DeviceLayerKV(n, self.kv_dtype, self.homes[i], pool)
+                cache.layers[i] = DeviceLayerKV(n, t, self.homes[i], pool)
         return cache
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -250,7 +251,7 @@ def _split_ffn(ffn: nn.Module, n_hot: int, accel: torch.device, home: torch.devi
 
 
 def apply_placement(model: CausalLM, placement: Placement, accel: torch.device | str, ctx_size: int,
-                    kv_dtype=torch.float32, n_seq: int = 1) -> CausalLM:
+                    cache_type: str = DEFAULT_CACHE_TYPE, n_seq: int = 1) -> CausalLM:
     """Move and split `model` (in place) as `placement` says; returns the model to run.
     Neurons mode wants `SparseFFN` blocks (see `sparsify_dense`); layers mode dense `MLP`s.
     A CPU-only placement returns `model` itself."""
@@ -277,4 +278,4 @@ def apply_placement(model: CausalLM, placement: Placement, accel: torch.device |
         model.norm = move_module(model.norm, accel)
         model.head = DeviceLinear.moved(model.head, accel)
     model.drop_steps()
-    return HybridCausalLM(model, placement, accel, ctx_size, homes, worker, kv_dtype, n_seq)
+    return HybridCausalLM(model, placement, accel, ctx_size, homes, worker, cache_type, n_seq)

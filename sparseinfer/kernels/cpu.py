@@ -22,6 +22,7 @@ import ctypes
 
 from sparseinfer.kernels import reference
 from sparseinfer.kernels.cstructs import QMat, check_layout
+from sparseinfer.kv_cache import KV_CODES, row_bytes, storage_dtype
 from sparseinfer.quant import FORMATS, QWeight
 
 try:
@@ -48,6 +49,11 @@ _warned = False
 def available() -> bool:
     """True when the compiled kernels are in use (False: reference fallback)."""
     return _cpu is not None
+
+
+def _require() -> None:
+    if _cpu is None:
+        raise RuntimeError(f"sparseinfer._cpu is not built ({_IMPORT_ERROR}); reinstall with a C compiler (gcc)")
 
 
 def _fallback() -> bool:
@@ -375,8 +381,45 @@ def attend1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hk)
     q = q.contiguous()
     o = torch.empty_like(q)
-    _cpu.attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), H, Hk, D, L, k.stride(1), v.stride(1), D ** -0.5)
+    _cpu.attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), H, Hk, D, L, 4 * k.stride(1), 4 * v.stride(1),
+                 D ** -0.5, 0)
     return o
+
+
+def attend1_stored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_type: str) -> torch.Tensor:
+    """`attend1` over keys and values in the stored form of a KV cache type (`kv_cache`):
+    q (1, H, 1, D) float32, k and v (1, Hk, L, row) as `kv_cache.encode` makes them, rows
+    contiguous.  The decode step's kernel; needs the compiled core."""
+    _require()
+    B, H, T, D = q.shape
+    Hk, L, rb = k.shape[1], k.shape[2], row_bytes(cache_type, D)
+    for t in (k, v):
+        if not t.is_cpu or t.shape != (1, Hk, L, t.shape[3]) or t.shape[3] * t.element_size() != rb or t.stride(3) != 1 \
+                or t.stride(2) != t.shape[3]:
+            raise ValueError(f"k and v must be (1, Hk, L, row) CPU tensors of {cache_type} rows of {D} values")
+    if B != 1 or T != 1 or H % Hk or q.dtype is not _F32 or not q.is_cpu:
+        raise ValueError("q must be (1, H, 1, D) float32 on the CPU, H a multiple of Hk")
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    es = k.element_size()
+    _cpu.attend1(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), H, Hk, D, L, es * k.stride(1),
+                 es * v.stride(1), D ** -0.5, KV_CODES[cache_type])
+    return o
+
+
+def kv_store(x: torch.Tensor, cache_type: str) -> torch.Tensor:
+    """The rows of x (..., D) float32 in the stored form of `cache_type`, converted by the C
+    core (what the decode step writes; `kv_cache.encode` is the reference)."""
+    _require()
+    x = x.float().contiguous()
+    D = x.shape[-1]
+    rb = row_bytes(cache_type, D)
+    dt = storage_dtype(cache_type)
+    out = torch.empty(*x.shape[:-1], rb // dt.itemsize, dtype=dt)
+    flat, rows = x.reshape(-1, D), out.reshape(-1, out.shape[-1])
+    for i in range(flat.shape[0]):
+        _cpu.kv_store(KV_CODES[cache_type], flat[i].data_ptr(), rows[i].data_ptr(), D)
+    return out
 
 
 def _ptr(t) -> int:

@@ -27,7 +27,7 @@ NO_WEIGHT = QMat(fmt=-1)
 class AttnPlan(C.Structure):
     """One attention half-block (`si_attn_plan_t`): x + o(attend(rope(qkv(rms_norm(x)))))."""
 
-    _fields_ = [("n", _i64), ("H", _i64), ("Hk", _i64), ("D", _i64), ("n_rot", _i64),
+    _fields_ = [("n", _i64), ("H", _i64), ("Hk", _i64), ("D", _i64), ("n_rot", _i64), ("kv_type", _i64),
                 ("eps", _f32), ("scale", _f32), ("norm_w", _p),
                 ("q", QMat), ("k", QMat), ("v", QMat), ("o", QMat),
                 ("bq", _p), ("bk", _p), ("bv", _p), ("bo", _p)]

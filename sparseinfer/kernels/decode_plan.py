@@ -19,6 +19,7 @@ import operator
 
 import torch
 
+from ..kv_cache import KV_CODES
 from ..quant import QWeight
 from . import cpu
 from .cstructs import (FFN_DENSE, FFN_FUSED, FFN_GATE_UP, FFN_RECORDS, FFN_SPARSE, NO_WEIGHT, AttnPlan,
@@ -143,15 +144,31 @@ class AttnStep(_NoCopy):
         cpu._cpu.check_attn_plan(ctypes.addressof(p))
         self.plan, self.addr, self._keep = p, ctypes.addressof(p), keep
         self.n, self.n_kv_heads, self.d_head, self.n_rot = n, n_kv_heads, d_head, n_rot
+        # one plan per KV cache type (`kv_cache.KV_CODES`), copies of this one made on first use
+        self._plans: list = [None] * len(KV_CODES)
+        self._addrs: list = [None] * len(KV_CODES)
+        self._plans[0], self._addrs[0] = p, self.addr
+
+    def _plan_for(self, kv_code: int) -> int:
+        if not 0 <= kv_code < len(self._addrs):
+            raise ValueError(f"unknown KV cache type code {kv_code}")
+        p = AttnPlan.from_buffer_copy(self.plan)
+        p.kv_type = kv_code
+        cpu._cpu.check_attn_plan(ctypes.addressof(p))
+        self._plans[kv_code], self._addrs[kv_code] = p, ctypes.addressof(p)
+        return self._addrs[kv_code]
 
     def run(self, x: torch.Tensor, xo: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int) -> None:
+            k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, kv_code: int = 0) -> None:
         """xo = x + attention(norm(x)) for one token at `pos` (x, xo: n float32, may alias);
-        its k/v go to row `pos` of the caches (n_kv_heads, capacity, d_head), float32."""
-        stride = k_cache.shape[-2] * self.d_head
-        cpu._cpu.decode_attn(self.addr, x.data_ptr(), xo.data_ptr(), 0 if cos is None else cos.data_ptr(),
-                             0 if sin is None else sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), stride,
-                             stride, pos)
+        its k/v go to row `pos` of the caches (n_kv_heads, capacity, row), stored as the cache
+        type `kv_code` says (`kv_cache.KV_CODES`; the layout of `kv_cache.LayerKV`)."""
+        addr = self._addrs[kv_code] if 0 <= kv_code < len(self._addrs) else None
+        if addr is None:
+            addr = self._plan_for(kv_code)
+        cpu._cpu.decode_attn(addr, x.data_ptr(), xo.data_ptr(), 0 if cos is None else cos.data_ptr(),
+                             0 if sin is None else sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                             k_cache.shape[-2], v_cache.shape[-2], pos)
 
 
 class BlockSteps(_NoCopy):

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import decode_plan
-from ..kv_cache import KVCache
+from ..kv_cache import DEFAULT_CACHE_TYPE, KVCache
 from ..quant import QWeight
 from .layers import Linear, Module
 
@@ -58,9 +58,14 @@ class CausalLM(Module):
     def device(self) -> torch.device:
         return self.embed.weight.qs.device
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
+    # the KV cache type of `new_cache` (`kv_cache.CACHE_TYPES`); `sparseinfer.load` sets it
+    cache_type = DEFAULT_CACHE_TYPE
+
+    def new_cache(self, max_len: int | None = None, cache_type: str | None = None) -> KVCache:
+        """A cache for `max_len` tokens (default: the model's maximum), of `cache_type` (default:
+        the model's `cache_type`)."""
         n = max_len or self.config.max_position_embeddings
-        return KVCache(len(self.layers), n, device=self.device)
+        return KVCache(len(self.layers), n, cache_type or self.cache_type, device=self.device)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with `last_only` (prefill)."""
@@ -88,7 +93,7 @@ class CausalLM(Module):
         buf = None
         for i, layer in enumerate(self.layers):
             kv = cache.layers[i]
-            steps = layer.steps() if hasattr(layer, "steps") and kv.on_cpu_f32 else None
+            steps = layer.steps() if hasattr(layer, "steps") and kv.on_cpu else None
             if steps is None:
                 if buf is not None:
                     x, buf = buf.view(1, 1, -1), None

@@ -331,7 +331,7 @@ class Attention(Module):
         if step.n_rot:  # (shared by all layers of this forward, see Rotary._cos_sin)
             cos, sin = self.rotary._cos_sin(positions, x.device)
         kc, vc, slot = cache.slot(step.n_kv_heads, step.d_head)
-        step.run(x, x, cos, sin, kc, vc, slot)
+        step.run(x, x, cos, sin, kc, vc, slot, cache.kv_code)
         cache.advance()
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
