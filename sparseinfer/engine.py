@@ -17,7 +17,7 @@ from .generate import (GenerationResponse, make_sampler, presence_frequency_pena
 from .io.weights import WeightSource, open_source
 from .kv_cache import DEFAULT_CACHE_TYPE, check_cache_type
 from .models.base import CausalLM
-from .models.registry import build_model, check_shapes
+from .models.registry import build_model, check_shapes, prefetch
 
 
 @dataclass
@@ -138,7 +138,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     _loading_heap()
     src = open_source(p, check_tensors=check_tensors)
     check_shapes(src)  # the model's problems before the tokenizer's
-    src.prefetch()  # the matrices' conversion (worker threads) overlaps the tokenizer's build
+    prefetch(src)  # the matrices' conversion (worker threads) overlaps the tokenizer's build
     try:
         tok = _tokenizer(src)  # before the weights: a file's problems show before the long part
     except BaseException:

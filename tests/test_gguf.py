@@ -181,3 +181,52 @@ def test_parser_matches_gguf_reader_tiny(good_gguf):
 
 def test_parser_matches_gguf_reader_smollm2(smollm2_path):
     _same_as_gguf_reader(smollm2_path)
+
+
+@pytest.mark.parametrize("tname", TYPES)
+def test_row_chunked_conversion_is_the_same(tname, monkeypatch):
+    """A large tensor is converted in row chunks into its final buffers (bounded temporaries,
+    the file's pages released behind): the result is the one-piece conversion's, byte for byte,
+    and every chunk's rows are released once."""
+    rng = np.random.default_rng(1)
+    qt = gguf.GGMLQuantizationType[tname]
+    rows, cols = 13, 512
+    raw = random_blocks(qt, rows, cols, rng)
+    whole = gio.tensor_to_qweight(FakeTensor("t", qt, rows, cols, raw))
+    released = []
+    t = FakeTensor("t", qt, rows, cols, raw)
+    t.release_rows = lambda r0, r1: released.append((r0, r1))
+    monkeypatch.setattr(gio, "_CHUNK_BYTES", raw[0].nbytes * 4)  # 4 rows a chunk, the last one short
+    chunked = gio.tensor_to_qweight(t)
+    assert (chunked.fmt, chunked.rows, chunked.cols) == (whole.fmt, whole.rows, whole.cols)
+    for name in ("qs", "d", "m"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    if chunked.fmt in ("q4", "q8", "q6") and tname not in gio._REQUANT_Q8:
+        assert released == [(0, 4), (4, 8), (8, 12), (12, 13)]
+
+
+@pytest.mark.parametrize("tname", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("chunk_rows", [4, 100])
+def test_conversion_into_row_records_equals_interleaving_after(tname, chunk_rows, monkeypatch):
+    """Converting straight into row records (how the output head is loaded) gives the weight
+    that converting and then `interleave_rows` gives: the same values, scales and mins."""
+    from sparseinfer.kernels import cpu
+
+    rng = np.random.default_rng(2)
+    qt = gguf.GGMLQuantizationType[tname]
+    rows, cols = 13, 512
+    raw = random_blocks(qt, rows, cols, rng)
+    monkeypatch.setattr(gio, "_CHUNK_BYTES", raw[0].nbytes * chunk_rows)
+    after = cpu.interleave_rows(gio.tensor_to_qweight(FakeTensor("t", qt, rows, cols, raw)))
+    direct = gio.tensor_to_qweight(FakeTensor("t", qt, rows, cols, raw), alloc=cpu.empty_records_like)
+    assert cpu.is_interleaved(direct) and cpu.is_interleaved(after)
+    for name in ("qs", "d", "m"):
+        a, b = getattr(after, name), getattr(direct, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.stride() == b.stride() and torch.equal(a, b), name
+    x = torch.randn(cols)
+    assert torch.equal(cpu.gemv(direct, x), cpu.gemv(after, x))

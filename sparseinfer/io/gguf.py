@@ -110,6 +110,11 @@ class GGUFTensor:
         no longer counts in the process's memory."""
         release_pages(self._mm, self.data_offset, self.n_bytes)
 
+    def release_rows(self, r0: int, r1: int) -> None:
+        """`release` for rows [r0, r1) only (row-chunked conversion frees the file behind it)."""
+        row = self.n_bytes // max(1, self.n_elements // max(1, int(self.shape[0])))
+        release_pages(self._mm, self.data_offset + r0 * row, (r1 - r0) * row)
+
     @property
     def data(self) -> np.ndarray:
         """Float types as (rows, cols) floats; block types as (rows, bytes_per_row) uint8.
@@ -504,10 +509,12 @@ def _repack_c(tname: str, raw: np.ndarray, rows: int, cols: int):
     return QWeight("q6", rows, cols, qs, d.to(torch.float16), None)
 
 
-def tensor_to_qweight(t, keep_float: str | None = None):
+def tensor_to_qweight(t, keep_float: str | None = None, alloc=None):
     """A 2-D GGUF tensor (ReaderTensor) -> QWeight, without expanding quantized data to floats.
 
-    `keep_float` forces float tensors (F32/F16/BF16) into that float format (e.g. "f32")."""
+    `keep_float` forces float tensors (F32/F16/BF16) into that float format (e.g. "f32").
+    `alloc(part, rows)`: for block types, the QWeight to write the rows into, shaped like the
+    converted rows `part` (another layout, e.g. row records), or None for the plain one."""
     import gguf
     import torch
 
@@ -532,6 +539,35 @@ def tensor_to_qweight(t, keep_float: str | None = None):
     if cols % block:
         raise ModelFormatError(f"tensor {t.name!r}: {cols} columns is not a multiple of the {tname} block size {block}")
     raw = np.asarray(t.data).reshape(rows, cols // block, -1)
+    step = max(1, _CHUNK_BYTES // max(1, raw[0].nbytes))
+    if rows <= step and alloc is None:
+        return _repack(tname, raw, rows, cols)
+    # row chunks into the final buffers: the temporaries stay the size of one chunk, and a
+    # chunk's pages of the file leave as soon as it is converted (`release_rows`)
+    release = getattr(t, "release_rows", None)
+    out = None
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        part = _repack(tname, raw[r0:r1], r1 - r0, cols)
+        if out is None:
+            out = alloc(part, rows) if alloc is not None else None
+            if out is None:
+                out = QWeight(part.fmt, rows, cols, *(None if x is None else x.new_empty((rows, *x.shape[1:]))
+                                                      for x in (part.qs, part.d, part.m)))
+        for name in ("qs", "d", "m"):
+            if getattr(part, name) is not None:
+                # numpy copies into a strided layout (row records) far faster than torch
+                getattr(out, name)[r0:r1].numpy()[...] = getattr(part, name).numpy()
+        del part
+        if release is not None:
+            release(r0, r1)
+    return out
+
+
+_CHUNK_BYTES = 4 << 20  # file bytes converted at a time (`tensor_to_qweight`)
+
+
+def _repack(tname: str, raw: np.ndarray, rows: int, cols: int):
     fast = _repack_c(tname, raw, rows, cols)
     return fast if fast is not None else _repack_numpy(tname, raw, rows, cols)
 

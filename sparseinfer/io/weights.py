@@ -134,8 +134,10 @@ class WeightSource:
                                    "the file is damaged: re-download or re-convert it")
         return x
 
-    def prefetch(self) -> None:
-        """Start preparing the model's matrices ahead of `qweight` (GGUF: worker threads)."""
+    def prefetch(self, layouts: dict | None = None) -> None:
+        """Start preparing the model's matrices ahead of `qweight` (GGUF: worker threads).
+        `layouts`: {name: alloc} converts those tensors straight into the buffers `alloc`
+        gives (see `io.gguf.tensor_to_qweight`) instead of converting, then copying."""
 
     def release_pages(self) -> None:
         """Drop the pages of the file this process mapped while loading (a no-op by default)."""
@@ -161,13 +163,15 @@ class GGUFSource(WeightSource):
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._pool = None
         self._futures: dict = {}
+        self._allocs: dict = {}
 
-    def prefetch(self, workers: int | None = None) -> None:
+    def prefetch(self, layouts: dict | None = None, workers: int | None = None) -> None:
         """Convert every matrix of the file on worker threads (numpy and torch release the GIL
-        in the conversions), so `qweight` finds most of them done: Qwen2.5-1.5B Q4_K_M loads
-        in about two thirds of the time on 2 cores."""
+        in the conversions), so `qweight` finds most of them done."""
         if self._pool is not None:
             return
+        self._allocs = {gname: alloc for name, alloc in (layouts or {}).items()
+                        if (gname := hf_to_gguf_name(self.family, name)) is not None}
         from concurrent.futures import ThreadPoolExecutor
 
         workers = workers or min(4, os.cpu_count() or 1)
@@ -177,11 +181,10 @@ class GGUFSource(WeightSource):
         self._futures = {t.name: self._pool.submit(self._convert, t)
                          for t in self.reader.tensors if len(t.shape) >= 2}
 
-    @staticmethod
-    def _convert(t):
+    def _convert(self, t):
         """The tensor in our format; the file's pages of it leave this process's memory (our
         formats are copies, so the file and the copy are not both resident)."""
-        w = gguf_io.tensor_to_qweight(t)
+        w = gguf_io.tensor_to_qweight(t, alloc=self._allocs.get(t.name))
         t.release()
         return w
 

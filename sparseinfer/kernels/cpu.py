@@ -34,7 +34,7 @@ except ImportError as e:  # no compiler at install time, or a stale build
     _IMPORT_ERROR = e
 
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
-           "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
+           "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -498,36 +498,59 @@ def interleave_pays(w: QWeight) -> bool:
             and available() and simd_level().startswith("avx512"))
 
 
-def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
-    """One buffer of records, one weight per group: a group's weights (one format and width)
-    are stacked by rows, and every group has the same total row count."""
-    weights = [g[0] for g in groups]
-    rows = sum(w.rows for w in groups[0])
-    # each weight's scales and mins, then its values, weight after weight: the order the pass
-    # reads them in (the dot tiles and the axpy load a row's scales before its values), which
-    # the records pass reads a little faster than all values first, then all scales.
-    # Each weight's piece starts on a 64-byte line, one common piece size apart, so that the
-    # records pass can read a neuron's gate and up rows as one stream (sparse.c, rec_ctx.pair).
+def empty_records_like(w: QWeight, rows: int) -> QWeight:
+    """`rows` uninitialised rows in `interleave_rows`'s layout, each shaped like a row of `w`
+    (its format, width, scales and mins): a converter writes a weight's rows into them
+    directly, with no second full-size copy.  Pair with `interleave_pays`."""
+    return _record_buffer([w], rows)[1][0]
+
+
+def is_interleaved(w: QWeight) -> bool:
+    """Whether `w`'s rows are records (`interleave_rows`): its values are a strided view."""
+    return w.d is not None and w.qs.dim() == 2 and w.qs.stride(0) != w.qs.shape[1]
+
+
+def _record_buffer(weights: list[QWeight], rows: int) -> tuple[torch.Tensor, list[QWeight]]:
+    """A (rows, R) buffer of records, one piece per weight of `weights` (format, width, scales
+    and mins), and each weight's row views into it; the pieces' padding is zeroed, the rest not.
+    Each weight's scales and mins, then its values, weight after weight: the order the pass
+    reads them in (the dot tiles and the axpy load a row's scales before its values), which
+    the records pass reads a little faster than all values first, then all scales.  Each
+    weight's piece starts on a 64-byte line, one common piece size apart, so that the records
+    pass can read a neuron's gate and up rows as one stream (sparse.c, rec_ctx.pair)."""
     pieces = [[(name, t, t.shape[1] * t.element_size()) for name in ("d", "m", "qs")
                if (t := getattr(w, name)) is not None] for w in weights]
     piece = (max(sum(n for *_, n in ps) for ps in pieces) + 63) // 64 * 64
     buf = empty_hugepages((rows, piece * len(weights)))
-    # numpy's strided copy: torch's copy_ into a column slice of a wider buffer moves these
-    # rows an order of magnitude slower, a visible share of the load time
     nbuf = buf.numpy()
-    views = [{"d": None, "m": None} for _ in weights]
-    for i, ps in enumerate(pieces):
-        o = piece * i
+    views = []
+    for i, (w, ps) in enumerate(zip(weights, pieces)):
+        o, v = piece * i, {"d": None, "m": None}
         for name, t, nbytes in ps:
-            r0 = 0
-            for src in groups[i]:
-                part = getattr(src, name).contiguous().view(torch.uint8).view(src.rows, nbytes)
-                nbuf[r0:r0 + src.rows, o:o + nbytes] = part.numpy()
-                r0 += src.rows
-            views[i][name] = buf[:, o:o + nbytes].view(t.dtype)
+            v[name] = buf[:, o:o + nbytes].view(t.dtype)
             o += nbytes
         nbuf[:, o:piece * (i + 1)] = 0  # the piece's padding
-    return buf, [QWeight(w.fmt, rows, w.cols, v["qs"], v["d"], v["m"]) for w, v in zip(weights, views)]
+        views.append(QWeight(w.fmt, rows, w.cols, v["qs"], v["d"], v["m"]))
+    return buf, views
+
+
+def _records(groups: list[list[QWeight]]) -> tuple[torch.Tensor, list[QWeight]]:
+    """One buffer of records, one weight per group: a group's weights (one format and width)
+    are stacked by rows, and every group has the same total row count."""
+    buf, views = _record_buffer([g[0] for g in groups], sum(w.rows for w in groups[0]))
+    for group, view in zip(groups, views):
+        for name in ("d", "m", "qs"):
+            dst = getattr(view, name)
+            if dst is None:
+                continue
+            # numpy's strided copy: torch's copy_ into a column slice of a wider buffer moves
+            # these rows an order of magnitude slower, a visible share of the load time
+            out, r0 = dst.view(torch.uint8).numpy(), 0
+            for src in group:
+                part = getattr(src, name).contiguous()
+                out[r0:r0 + src.rows] = part.view(torch.uint8).view(src.rows, -1).numpy()
+                r0 += src.rows
+    return buf, views
 
 
 def set_num_threads(n: int) -> None:

@@ -24,6 +24,9 @@ class Block(Module):
         return x + self.attn(a, positions, kv) + self.mlp(m)
 
 
+
+EMBED = "transformer.word_embeddings.weight"  # the token embedding (also the output head when the file has no lm_head)
+
 def _split_qkv(w: QWeight, bias: torch.Tensor | None, n_heads: int, n_kv: int, d: int, grouped: bool):
     """Fused qkv rows -> (q, k, v) row indices. HF new-arch groups [q.. q k v] per KV head;
     GGUF (llama.cpp's converter) and the old multi-query layout store [all q, all k, all v]."""
@@ -63,7 +66,7 @@ def build(src: WeightSource) -> CausalLM:
         ln_attn = _ln(src, f"{p}.input_layernorm" if src.has(f"{p}.input_layernorm.weight") else f"{p}.ln_attn", c.layer_norm_eps)
         ln_mlp = _ln(src, f"{p}.ln_mlp", c.layer_norm_eps) if two_norms else None
         layers.append(Block(attn, mlp, ln_attn, ln_mlp))
-    embed = Embedding(src.qweight("transformer.word_embeddings.weight"))
+    embed = Embedding(src.qweight(EMBED))
     head = Linear(src.qweight("lm_head.weight")) if src.has("lm_head.weight") else Linear(embed.weight)
     return CausalLM(c, embed, layers, _ln(src, "transformer.ln_f", c.layer_norm_eps), head)
 
@@ -71,7 +74,7 @@ def build(src: WeightSource) -> CausalLM:
 def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
     """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
     n, f, v, d = c.hidden_size, c.intermediate_size, c.vocab_size, c.d_head
-    yield "transformer.word_embeddings.weight", (v, n), True
+    yield EMBED, (v, n), True
     yield from norm_shapes("transformer.ln_f", n)
     yield "lm_head.weight", (v, n), False
     two_norms = has("transformer.h.0.ln_mlp.weight")

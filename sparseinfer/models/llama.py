@@ -34,6 +34,9 @@ class Block(Module):
         return None if a is None else decode_plan.BlockSteps(a, f)
 
 
+
+EMBED = "model.embed_tokens.weight"  # the token embedding (also the output head when the file has no lm_head)
+
 def linear(src: WeightSource, prefix: str) -> Linear:
     return Linear(src.qweight(f"{prefix}.weight"), src.maybe_tensor(f"{prefix}.bias"))
 
@@ -51,7 +54,7 @@ def build(src: WeightSource) -> CausalLM:
         mlp = MLP(linear(src, f"{m}.gate_proj"), linear(src, f"{m}.up_proj"), linear(src, f"{m}.down_proj"), c.hidden_act)
         layers.append(Block(attn, mlp, RMSNorm(src.tensor(f"{p}.input_layernorm.weight"), c.rms_norm_eps),
                             RMSNorm(src.tensor(f"{p}.post_attention_layernorm.weight"), c.rms_norm_eps)))
-    embed = Embedding(src.qweight("model.embed_tokens.weight"))
+    embed = Embedding(src.qweight(EMBED))
     head = Linear(src.qweight("lm_head.weight")) if src.has("lm_head.weight") else Linear(embed.weight)
     return CausalLM(c, embed, layers, RMSNorm(src.tensor("model.norm.weight"), c.rms_norm_eps), head)
 
@@ -60,7 +63,7 @@ def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
     """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
     n, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
     nq, nkv = c.num_attention_heads * c.d_head, c.n_kv_heads * c.d_head
-    yield "model.embed_tokens.weight", (v, n), True
+    yield EMBED, (v, n), True
     yield "model.norm.weight", (n,), True
     yield "lm_head.weight", (v, n), False
     for i in range(c.num_hidden_layers):

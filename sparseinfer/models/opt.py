@@ -34,6 +34,9 @@ class Block(Module):
         return self.ln_ffn(h + self.mlp(h))
 
 
+
+EMBED = "model.decoder.embed_tokens.weight"  # the token embedding (also the output head when the file has no lm_head)
+
 def _linear(src: WeightSource, prefix: str) -> Linear:
     return Linear(src.qweight(f"{prefix}.weight"), src.maybe_tensor(f"{prefix}.bias"))
 
@@ -54,7 +57,7 @@ def build(src: WeightSource) -> CausalLM:
         mlp = MLP(None, _linear(src, f"{p}.fc1"), _linear(src, f"{p}.fc2"), c.hidden_act)
         layers.append(Block(attn, mlp, _ln(src, f"{p}.self_attn_layer_norm", eps), _ln(src, f"{p}.final_layer_norm", eps),
                             c.do_layer_norm_before))
-    embed = Embedding(src.qweight("model.decoder.embed_tokens.weight"))
+    embed = Embedding(src.qweight(EMBED))
     head = Linear(src.qweight("lm_head.weight")) if src.has("lm_head.weight") else Linear(embed.weight)
     final = _ln(src, "model.decoder.final_layer_norm", eps) if c.do_layer_norm_before else nn.Identity()
     pos = Positions(src.tensor("model.decoder.embed_positions.weight"))
@@ -65,7 +68,7 @@ def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
     """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
     n, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
     nq, nkv = c.num_attention_heads * c.d_head, c.n_kv_heads * c.d_head
-    yield "model.decoder.embed_tokens.weight", (v, n), True
+    yield EMBED, (v, n), True
     yield "model.decoder.embed_positions.weight", (c.max_position_embeddings + POSITION_OFFSET, n), True
     if c.do_layer_norm_before:
         yield from norm_shapes("model.decoder.final_layer_norm", n)

@@ -8,6 +8,7 @@ from . import falcon, llama, opt
 from .base import CausalLM, TensorShapes
 
 BUILDERS = {"llama": llama.build, "falcon": falcon.build, "opt": opt.build}
+EMBEDDINGS = {"llama": llama.EMBED, "falcon": falcon.EMBED, "opt": opt.EMBED}
 SHAPES = {"llama": llama.tensor_shapes, "falcon": falcon.tensor_shapes, "opt": opt.tensor_shapes}
 
 
@@ -41,13 +42,30 @@ def build_model(src: WeightSource, checked: bool = False) -> CausalLM:
     """The model of `src`; `checked`: the caller ran `check_shapes` already."""
     if not checked:
         check_shapes(src)
-    src.prefetch()  # GGUF: matrices converted on worker threads while the builder runs
+    prefetch(src)  # GGUF: matrices converted on worker threads while the builder runs
     try:
         model = BUILDERS[src.config.family](src)
     finally:
         src.end_prefetch()
     interleave_head(model)
     return model
+
+
+def head_name(src: WeightSource) -> str:
+    """The tensor the output projection reads: lm_head, or the embedding when they are tied."""
+    return "lm_head.weight" if src.has("lm_head.weight") else EMBEDDINGS[src.config.family]
+
+
+def prefetch(src: WeightSource) -> None:
+    """Start converting the model's matrices ahead of the builder (`WeightSource.prefetch`),
+    the output head straight into the row layout `interleave_head` wants: the head is the
+    largest matrix, and converting it first and copying it after would hold it twice."""
+    from ..kernels import cpu
+
+    def head_layout(part: QWeight, rows: int) -> QWeight | None:
+        return cpu.empty_records_like(part, rows) if cpu.interleave_pays(part) else None
+
+    src.prefetch(layouts={head_name(src): head_layout})
 
 
 def interleave_head(model: CausalLM) -> None:
@@ -58,7 +76,7 @@ def interleave_head(model: CausalLM) -> None:
     from ..kernels import cpu
 
     w = model.head.weight
-    if not isinstance(w, QWeight) or not cpu.interleave_pays(w):
+    if not isinstance(w, QWeight) or not cpu.interleave_pays(w) or cpu.is_interleaved(w):
         return
     new = cpu.interleave_rows(w)
     if model.embed.weight is w:
