@@ -230,3 +230,33 @@ def test_conversion_into_row_records_equals_interleaving_after(tname, chunk_rows
             assert a.stride() == b.stride() and torch.equal(a, b), name
     x = torch.randn(cols)
     assert torch.equal(cpu.gemv(direct, x), cpu.gemv(after, x))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_fused_groups_are_loaded_into_one_buffer(tmp_path, workers, monkeypatch):
+    """q/k/v and gate/up converted into one buffer each (with or without loader threads) give
+    the model that converting them apart and fusing after gives, bit for bit; where the row
+    layout pays, fusing then copies nothing."""
+    import sparseinfer.models.registry as R
+    from sparseinfer.io.weights import open_source
+    from sparseinfer.kernels import cpu
+    from tests.tiny import export_gguf, hf_model
+
+    path = export_gguf(hf_model("qwen2"), tmp_path / "m.gguf", "Q8_0")
+    x = torch.tensor([[5, 17, 99, 3, 42]])
+    with torch.inference_mode():
+        with monkeypatch.context() as m:
+            m.setattr(R, "FUSED", {})
+            plain = R.build_model(open_source(path))
+            ref = plain(x, plain.new_cache(16))
+        copies = []
+        records = cpu._records
+        monkeypatch.setattr(cpu, "_records", lambda groups: copies.append(len(groups)) or records(groups))
+        monkeypatch.setattr("os.cpu_count", lambda: workers)
+        model = R.build_model(open_source(path))
+        got = model(x, model.new_cache(16))
+    assert torch.equal(got, ref)
+    fused = [f for L in model.layers for f in (L.attn._qkv, L.mlp._gate_up) if f is not None]
+    assert len(fused) == 2 * len(model.layers)
+    if cpu.interleave_pays(model.layers[0].attn.q.weight):
+        assert copies == [] and all(cpu.is_interleaved(f.weight) for f in fused)

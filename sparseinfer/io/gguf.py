@@ -470,6 +470,7 @@ _BLOCK_CONVERTERS = {
     "Q5_0": (32, _q5_0), "Q5_1": (32, _q5_1), "Q4_K": (256, _q4_k), "Q5_K": (256, _q5_k),
     "Q6_K": (256, _q6_k),
 }
+BLOCK_TYPES = tuple(_BLOCK_CONVERTERS)  # the block types kept as integer codes (`tensor_to_qweight`)
 # Types with no exact repack into our formats: dequantized by the gguf package, then re-quantized
 # to q8 per 32 (8 bits for <= 6-bit data: the added error is far below the type's own step).
 _REQUANT_Q8 = ("Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")

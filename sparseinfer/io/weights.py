@@ -134,10 +134,13 @@ class WeightSource:
                                    "the file is damaged: re-download or re-convert it")
         return x
 
-    def prefetch(self, layouts: dict | None = None) -> None:
+    def prefetch(self, layouts: dict | None = None, groups: list | None = None) -> None:
         """Start preparing the model's matrices ahead of `qweight` (GGUF: worker threads).
         `layouts`: {name: alloc} converts those tensors straight into the buffers `alloc`
-        gives (see `io.gguf.tensor_to_qweight`) instead of converting, then copying."""
+        gives (see `io.gguf.tensor_to_qweight`) instead of converting, then copying.
+        `groups`: [(names, alloc)]: each group's tensors (one block type and width) into one
+        buffer of all their rows, `alloc(part, total_rows)`; `qweight` then gives row views
+        of it, in order."""
 
     def release_pages(self) -> None:
         """Drop the pages of the file this process mapped while loading (a no-op by default)."""
@@ -153,6 +156,18 @@ class WeightSource:
         raise NotImplementedError
 
 
+class _Group:
+    """Tensors converted into one buffer (`GGUFSource.prefetch`'s groups)."""
+
+    def __init__(self, names: list[str], alloc):
+        self.names, self.alloc, self.done = names, alloc, None
+
+
+def _row_slice(w: QWeight, r0: int, r1: int) -> QWeight:
+    cut = lambda t: None if t is None else t[r0:r1]  # noqa: E731
+    return QWeight(w.fmt, r1 - r0, w.cols, cut(w.qs), cut(w.d), cut(w.m))
+
+
 class GGUFSource(WeightSource):
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -164,22 +179,66 @@ class GGUFSource(WeightSource):
         self._pool = None
         self._futures: dict = {}
         self._allocs: dict = {}
+        self._groups: dict = {}
 
-    def prefetch(self, layouts: dict | None = None, workers: int | None = None) -> None:
+    def prefetch(self, layouts: dict | None = None, groups: list | None = None,
+                 workers: int | None = None) -> None:
         """Convert every matrix of the file on worker threads (numpy and torch release the GIL
         in the conversions), so `qweight` finds most of them done."""
         if self._pool is not None:
             return
         self._allocs = {gname: alloc for name, alloc in (layouts or {}).items()
                         if (gname := hf_to_gguf_name(self.family, name)) is not None}
+        self._groups = {}
+        for names, alloc in groups or []:
+            ts = [self._find(n) for n in names]
+            if self._groupable(names, ts):
+                g = _Group([t.name for t in ts], alloc)
+                self._groups.update({t.name: g for t in ts})
         from concurrent.futures import ThreadPoolExecutor
 
         workers = workers or min(4, os.cpu_count() or 1)
         if workers < 2:
             return
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sparseinfer-load")
-        self._futures = {t.name: self._pool.submit(self._convert, t)
-                         for t in self.reader.tensors if len(t.shape) >= 2}
+        self._futures = {}
+        for t in self.reader.tensors:
+            g = self._groups.get(t.name)
+            if g is not None:
+                if t.name == g.names[0]:
+                    fut = self._pool.submit(self._convert_group, g)
+                    self._futures.update({n: (fut, i) for i, n in enumerate(g.names)})
+            elif len(t.shape) >= 2:
+                self._futures[t.name] = (self._pool.submit(self._convert, t), None)
+
+    def _groupable(self, names: list[str], ts: list) -> bool:
+        """Whether tensors `ts` can share one buffer: present, one block type and width, no
+        row permutation after conversion (llama-arch q/k)."""
+        if any(t is None for t in ts) or any(self._unpermute(n) for n in names):
+            return False
+        t0 = ts[0]
+        return (t0.tensor_type.name in gguf_io.BLOCK_TYPES and all(len(t.shape) == 2 for t in ts)
+                and all(t.tensor_type == t0.tensor_type and int(t.shape[0]) == int(t0.shape[0]) for t in ts))
+
+    def _convert_group(self, g: "_Group") -> list[QWeight]:
+        """A group's tensors converted into one buffer (`g.alloc` of all their rows), as row
+        views in order; plain conversions when `g.alloc` declines."""
+        ts = [self._tensors[n] for n in g.names]
+        total = sum(int(t.shape[1]) for t in ts)
+        state = {"buf": None, "r0": 0}
+
+        def alloc(part: QWeight, rows: int) -> QWeight | None:
+            if state["buf"] is None:
+                state["buf"] = g.alloc(part, total) or False
+            buf, r0 = state["buf"], state["r0"]
+            return _row_slice(buf, r0, r0 + rows) if buf else None
+
+        out = []
+        for t in ts:
+            out.append(gguf_io.tensor_to_qweight(t, alloc=alloc))
+            state["r0"] += int(t.shape[1])
+            t.release()
+        return out
 
     def _convert(self, t):
         """The tensor in our format; the file's pages of it leave this process's memory (our
@@ -195,7 +254,7 @@ class GGUFSource(WeightSource):
     def end_prefetch(self) -> None:
         if self._pool is None:
             return
-        for f in self._futures.values():
+        for f, _ in self._futures.values():
             f.cancel()
         self._pool.shutdown(wait=True)
         self._pool, self._futures = None, {}
@@ -239,8 +298,16 @@ class GGUFSource(WeightSource):
 
     def qweight(self, name: str) -> QWeight:
         t = self._get(name)
-        fut = self._futures.pop(t.name, None)
-        w = fut.result() if fut is not None else self._convert(t)
+        fut, i = self._futures.pop(t.name, (None, None))
+        if fut is not None:
+            w = fut.result() if i is None else fut.result()[i]
+        elif t.name in self._groups:  # no workers: the group's conversion, once
+            g = self._groups[t.name]
+            if g.done is None:
+                g.done = self._convert_group(g)
+            w = g.done[g.names.index(t.name)]
+        else:
+            w = self._convert(t)
         heads = self._unpermute(name)
         if heads:
             w = w.select_rows(llama_qk_unpermute_index(w.rows, heads))

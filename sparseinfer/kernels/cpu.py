@@ -34,7 +34,7 @@ except ImportError as e:  # no compiler at install time, or a stale build
     _IMPORT_ERROR = e
 
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
-           "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
+           "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "stacked_view", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
@@ -503,6 +503,33 @@ def empty_records_like(w: QWeight, rows: int) -> QWeight:
     (its format, width, scales and mins): a converter writes a weight's rows into them
     directly, with no second full-size copy.  Pair with `interleave_pays`."""
     return _record_buffer([w], rows)[1][0]
+
+
+def stacked_view(ws: list[QWeight]) -> QWeight | None:
+    """The weight whose rows are the rows of `ws` when they already lie one after the other in
+    one buffer (row views of it, in order: what a loader that converts a fused group into one
+    buffer gives), as a view of that buffer; else None."""
+    w0 = ws[0]
+    tensors = [[getattr(w, n) for w in ws] for n in ("qs", "d", "m")]
+    for ts in tensors:
+        if ts[0] is None:
+            if any(t is not None for t in ts):
+                return None
+            continue
+        t0 = ts[0]
+        if any(t is None or t.dim() != 2 or t.dtype != t0.dtype or t.stride() != t0.stride() or t.device != t0.device
+               or t.shape[1] != t0.shape[1] or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+               for t in ts):
+            return None
+        off = t0.storage_offset()
+        for t in ts:
+            if t.storage_offset() != off:
+                return None
+            off += t.shape[0] * t.stride(0)
+    rows = sum(w.rows for w in ws)
+    whole = [None if ts[0] is None else ts[0].as_strided((rows, ts[0].shape[1]), ts[0].stride(), ts[0].storage_offset())
+             for ts in tensors]
+    return QWeight(w0.fmt, rows, w0.cols, *whole)
 
 
 def is_interleaved(w: QWeight) -> bool:

@@ -78,8 +78,10 @@ def fuse_weights(*ws: QWeight) -> tuple[QWeight, list[QWeight]] | None:
         return None
     if cpu.interleave_pays(w0):
         # each row's scales next to its values (`interleave_rows`): one stream per row for the
-        # dense products, and no neighbours' scales read by the row-sparse ones
-        fused = cpu.interleave_rows(*ws)
+        # dense products, and no neighbours' scales read by the row-sparse ones; a loader may
+        # have converted the parts into one such buffer already (`registry.prefetch`)
+        fused = cpu.stacked_view(list(ws)) if all(cpu.is_interleaved(w) for w in ws) else None
+        fused = fused or cpu.interleave_rows(*ws)
     else:
         cat = lambda name: None if getattr(w0, name) is None else torch.cat([getattr(w, name) for w in ws])  # noqa: E731
         fused = QWeight(w0.fmt, sum(w.rows for w in ws), w0.cols, cat("qs"), cat("d"), cat("m"))

@@ -59,6 +59,16 @@ def build(src: WeightSource) -> CausalLM:
     return CausalLM(c, embed, layers, RMSNorm(src.tensor("model.norm.weight"), c.rms_norm_eps), head)
 
 
+def fused_groups(c: ModelConfig) -> list[list[str]]:
+    """The weights `build` fuses (`Attention`: q, k, v; `MLP`: gate, up), for loading them
+    into one buffer each (`registry.prefetch`)."""
+    out = []
+    for i in range(c.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        out += [[f"{a}.{x}_proj.weight" for x in "qkv"], [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"]]
+    return out
+
+
 def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
     """Every tensor `build` reads, with the shape the config implies (see `registry.check_shapes`)."""
     n, f, v = c.hidden_size, c.intermediate_size, c.vocab_size

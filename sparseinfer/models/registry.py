@@ -9,6 +9,7 @@ from .base import CausalLM, TensorShapes
 
 BUILDERS = {"llama": llama.build, "falcon": falcon.build, "opt": opt.build}
 EMBEDDINGS = {"llama": llama.EMBED, "falcon": falcon.EMBED, "opt": opt.EMBED}
+FUSED = {"llama": llama.fused_groups}  # families whose builder fuses weights read from separate tensors
 SHAPES = {"llama": llama.tensor_shapes, "falcon": falcon.tensor_shapes, "opt": opt.tensor_shapes}
 
 
@@ -58,14 +59,16 @@ def head_name(src: WeightSource) -> str:
 
 def prefetch(src: WeightSource) -> None:
     """Start converting the model's matrices ahead of the builder (`WeightSource.prefetch`),
-    the output head straight into the row layout `interleave_head` wants: the head is the
-    largest matrix, and converting it first and copying it after would hold it twice."""
+    straight into the row layout the kernels read where it pays: the output head (the largest
+    matrix: converting it first and copying it after would hold it twice) and the groups the
+    builder fuses (q/k/v, gate/up: one buffer each, which `fuse_weights` then takes as it is)."""
     from ..kernels import cpu
 
-    def head_layout(part: QWeight, rows: int) -> QWeight | None:
+    def records(part: QWeight, rows: int) -> QWeight | None:
         return cpu.empty_records_like(part, rows) if cpu.interleave_pays(part) else None
 
-    src.prefetch(layouts={head_name(src): head_layout})
+    groups = FUSED.get(src.config.family, lambda c: [])(src.config)
+    src.prefetch(layouts={head_name(src): records}, groups=[(g, records) for g in groups])
 
 
 def interleave_head(model: CausalLM) -> None:
