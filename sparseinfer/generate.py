@@ -88,25 +88,51 @@ def decode(model, token: int, cache: KVCache) -> torch.Tensor:
     return model(torch.tensor([[token]]), cache)[0, -1]
 
 
+class TokenChooser:
+    """One sequence's next-token rule: logits processors over its history, then the sampler.
+    `generate_step` and the server's batched engine both pick tokens through it."""
+
+    def __init__(self, prompt: Sequence[int], sampler: Sampler | None = None,
+                 processors: Sequence[LogitsProcessor] = (),
+                 generated_only_processors: Sequence[LogitsProcessor] = ()):
+        self.sampler = sampler or make_sampler()
+        self.processors, self.generated_only_processors = processors, generated_only_processors
+        self.history = list(prompt)
+        self.generated: list[int] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        for p in self.processors:
+            logits = p(self.history, logits)
+        for p in self.generated_only_processors:
+            logits = p(self.generated, logits)
+        tok = self.sampler(logits)
+        self.history.append(tok)
+        self.generated.append(tok)
+        return tok
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` under `logits` (vocab,) (log-softmax in float32,
+    before any sampling setting), and the `top` most likely tokens with theirs, best first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    alts: list[tuple[int, float]] = []
+    if top > 0:
+        v, i = torch.topk(lp, min(top, lp.numel()))
+        alts = list(zip(i.tolist(), v.tolist()))
+    return float(lp[token]), alts
+
+
 def generate_step(model, prompt: Sequence[int], cache: KVCache, sampler: Sampler | None = None,
                   processors: Sequence[LogitsProcessor] = (), max_tokens: int = 256,
                   generated_only_processors: Sequence[LogitsProcessor] = ()) -> Iterator[int]:
     """Yield up to `max_tokens` sampled token ids (the caller decides when to stop)."""
-    sampler = sampler or make_sampler()
-    history = list(prompt)
-    generated: list[int] = []
+    choose = TokenChooser(prompt, sampler, processors, generated_only_processors)
     with torch.inference_mode():
         logits = prefill(model, prompt, cache)
         for _ in range(max_tokens):
-            for p in processors:
-                logits = p(history, logits)
-            for p in generated_only_processors:
-                logits = p(generated, logits)
-            tok = sampler(logits)
-            history.append(tok)
-            generated.append(tok)
+            tok = choose(logits)
             yield tok
-            if len(generated) == max_tokens:
+            if len(choose.generated) == max_tokens:
                 return
             cache.check_room(1)
             logits = decode(model, tok, cache)
@@ -140,46 +166,67 @@ def _pending_stop_len(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class TextAssembler:
+    """Token ids -> text pieces of one sequence: detokenizes as tokens come, ends at an EOS id or
+    a stop string (cut from the text), and holds back text that may begin a stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        from .io.tokenizer import StreamDetokenizer
+
+        self.tokenizer = tokenizer
+        self.detok = StreamDetokenizer(tokenizer)
+        self.stops = [s for s in stop if s]
+        self.held = ""  # text not yet emitted because it may begin a stop string
+        self.cut = False
+
+    def add(self, tok: int) -> tuple[str, bool]:
+        """(text to emit now, whether the sequence ended: EOS or a stop string)."""
+        if tok in self.tokenizer.eos_ids:
+            return "", True
+        self.held += self.detok.add(tok)
+        hit = min(((self.held.find(s), s) for s in self.stops if s in self.held), default=None)
+        if hit is not None:
+            self.held, self.cut = self.held[: hit[0]], True
+            return "", True
+        keep = _pending_stop_len(self.held, self.stops)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        """The text still held back (none after a stop string: it was cut)."""
+        out = self.held + ("" if self.cut else self.detok.flush())
+        self.held = ""
+        return out
+
+
 def stream_generate(model, tokenizer, prompt_tokens: Sequence[int], max_tokens: int = 256,
                     sampler: Sampler | None = None, processors: Sequence[LogitsProcessor] = (),
                     stop: Sequence[str] = (), cache: KVCache | None = None,
                     generated_only_processors: Sequence[LogitsProcessor] = ()) -> Iterator[GenerationResponse]:
     """Detokenized, stop-aware stream over `generate_step`, with prompt/decode throughput."""
-    from .io.tokenizer import StreamDetokenizer
-
     cache = cache if cache is not None else model.new_cache()
     cache.check_room(len(prompt_tokens) + 1)
-    detok = StreamDetokenizer(tokenizer)
-    stops = [s for s in stop if s]
+    text = TextAssembler(tokenizer, stop)
     n_prompt = len(prompt_tokens)
     t0 = time.perf_counter()
     t_first = None
-    held = ""  # text not yet emitted because it may begin a stop string
     n = 0
-    finish, cut = "length", False
+    finish = "length"
     steps = generate_step(model, prompt_tokens, cache, sampler, processors, max_tokens, generated_only_processors)
     for tok in steps:
         n += 1
         now = time.perf_counter()
         if t_first is None:
             t_first = now
-        if tok in tokenizer.eos_ids:
+        out, ended = text.add(tok)
+        if ended:
             finish = "stop"
             break
-        held += detok.add(tok)
-        hit = min(((held.find(s), s) for s in stops if s in held), default=None)
-        if hit is not None:
-            held, finish, cut = held[: hit[0]], "stop", True
-            break
-        keep = _pending_stop_len(held, stops)
-        out, held = held[: len(held) - keep], held[len(held) - keep :]
         yield _response(out, tok, n_prompt, n, t0, t_first, now, None)
         if n >= max_tokens:
             break
-    if not cut:
-        held += detok.flush()
     now = time.perf_counter()
-    yield _response(held, None, n_prompt, n, t0, t_first or now, now, finish)
+    yield _response(text.flush(), None, n_prompt, n, t0, t_first or now, now, finish)
 
 
 def _response(text, tok, n_prompt, n, t0, t_first, now, finish) -> GenerationResponse:

@@ -86,6 +86,27 @@ class CausalLM(Module):
             x = x[:, -1:]
         return self.head(self.norm(x))
 
+    def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decode step of B sequences at once: token b appended to `caches[b]` (each its own
+        length) -> next-token logits (B, vocab).  Every product runs once over the B rows (the
+        weights are read once per step); rotary and attention go row by row.  A row's logits do
+        not depend on the other rows where `kernels.cpu.matmul_equals_gemv()` (docs/kernels.md,
+        Determinism); they equal the one-token path (`forward`) within the accuracy contract."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"decode_batch needs one cache per token (got {len(tokens)} tokens, {len(caches)} caches)")
+        for c in caches:
+            c.check_room(1)
+        B = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(B, 1)
+        positions = torch.tensor([c.length for c in caches], dtype=torch.long).view(B, 1)
+        x = self.embed(ids)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions.to(self.device))
+        for i, layer in enumerate(self.layers):
+            dev = self.layer_device(i)
+            x = layer(x.to(dev), positions.to(dev), [c.layers[i] for c in caches])
+        return self.head(self.norm(x))[:, 0]
+
     def decode_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token of one sequence, x (1, 1, n), through every layer: a layer whose block has
         C decode steps (`Block.steps`: its plan, built once) runs them on one float32 buffer in

@@ -15,6 +15,7 @@ from ..errors import UnsupportedError
 from ..kernels import cpu, decode_plan, matmul
 from ..kernels.reference import activation_fn, canonical_activation
 from ..kv_cache import LayerKV
+from ..kv_cache import encode as kv_encode
 from ..quant import QWeight
 
 
@@ -291,7 +292,11 @@ class Attention(Module):
     def _fused(self, x: torch.Tensor) -> bool:
         return x.is_cpu and self._intact()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV | list[LayerKV]) -> torch.Tensor:
+        """x (B, T, n) at `positions` (T,) appended to `cache`; or one token per row, x (B, 1, n)
+        at positions (B, 1), row b appended to its own cache `cache[b]` (`CausalLM.decode_batch`)."""
+        if isinstance(cache, list):
+            return self._forward_rows(x, positions, cache)
         B, T, _ = x.shape
         if self._fused(x):
             return self._forward_fused(x, positions, cache)
@@ -336,6 +341,27 @@ class Attention(Module):
         step.run(x, x, cos, sin, kc, vc, slot, cache.kv_code)
         cache.advance()
 
+    def _forward_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
+        """One token per row, each row over its own cache (ragged lengths): the projections are
+        one product over all rows (each weight read once), rotary and attention go row by row.
+        Every row gets the numbers it would get alone (`cpu.matmul_equals_gemv`)."""
+        B = x.shape[0]
+        H, Hk, D = self.n_heads, self.n_kv_heads, self.d_head
+        if self._fused(x):
+            y = self._qkv(x)
+            q, k, v = y.split([H * D, Hk * D, Hk * D], dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.reshape(B, 1, H, D).transpose(1, 2)
+        k = k.reshape(B, 1, Hk, D).transpose(1, 2)
+        v = v.reshape(B, 1, Hk, D).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        out = torch.empty(B, H, 1, D, device=x.device)
+        for b, kv in enumerate(caches):
+            out[b: b + 1] = attend_cached(q[b: b + 1], k[b: b + 1], v[b: b + 1], kv)
+        return self.o(out.transpose(1, 2).reshape(B, 1, H * D))
+
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
         """Same as `forward`: one product for q, k and v, one rotary call for q and k together."""
         B, T, _ = x.shape
@@ -350,6 +376,22 @@ class Attention(Module):
         k, v = cache.update_and_fetch(k, v)
         out = attend(q, k, v, start)
         return self.o(out.transpose(1, 2).reshape(B, T, H * D))
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV) -> torch.Tensor:
+    """One new token of one sequence: append k, v (1, Hk, 1, D) to `cache` and attend q
+    (1, H, 1, D) over everything cached.  On the CPU the C kernel reads the stored form in place
+    (`cpu.attend1_stored`); elsewhere the float32 copies go to `attend`."""
+    if not (cache.on_cpu and q.is_cpu and cpu.available()):
+        start = cache.length
+        k, v = cache.update_and_fetch(k, v)
+        return attend(q, k, v, start)
+    kc, vc, pos = cache.slot(k.shape[1], k.shape[3])
+    kc[:, :, pos: pos + 1] = kv_encode(cache.cache_type, k)
+    vc[:, :, pos: pos + 1] = kv_encode(cache.cache_type, v)
+    cache.advance()
+    n = cache.length
+    return cpu.attend1_stored(q.float(), kc[:, :, :n], vc[:, :, :n], cache.cache_type)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
