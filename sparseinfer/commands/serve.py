@@ -21,7 +21,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPARSEINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPARSEINFER_API_KEY)")
     p.add_argument("-np", "--parallel", type=int, default=1,
-                   help="sequences decoded together, round-robin, each with its own KV cache (default: 1)")
+                   help="sequences decoded together in one batched step, each with its own KV cache; 1 keeps "
+                        "the one-token path (activation sparsity) (default: 1)")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens prefilled per engine step, so long prompts do not stall the others "
+                        "(default: 256)")
+    p.add_argument("--cache-ram", type=float, default=512, metavar="MIB",
+                   help="KV caches kept to reuse shared prompt prefixes (chat turns, system prompts), in MiB, "
+                        "least recently used dropped first; 0 turns prompt reuse off (default: 512)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot (default: 64)")
     p.add_argument("--alias", default=None, help="model id to report (default: the model file's name)")
     g = p.add_argument_group("limits and hardening (see docs/server.md)")
@@ -69,6 +76,10 @@ def run(a: argparse.Namespace) -> int:
     require_extras()
     if a.parallel < 1:
         raise SparseInferError(f"--parallel must be >= 1 (got {a.parallel})")
+    if a.prefill_chunk < 1:
+        raise SparseInferError(f"--prefill-chunk must be >= 1 (got {a.prefill_chunk})")
+    if not a.cache_ram >= 0:
+        raise SparseInferError(f"--cache-ram must be a number of MiB >= 0 (got {a.cache_ram})")
     from ..server.app import Settings
 
     limits = limits_from_args(a)  # before the load, which can take a while
@@ -78,7 +89,7 @@ def run(a: argparse.Namespace) -> int:
     print(f"loaded {settings.model_id} ({llm.info.path}) in {time.perf_counter() - t0:.1f}s; "
           f"{a.parallel} slot(s) x {llm.ctx_size} tokens", file=sys.stderr)
     serve(llm, settings, host=a.host, port=a.port, parallel=a.parallel, max_queue=a.max_queue,
-          log_level="debug" if a.verbose else "info")
+          prefill_chunk=a.prefill_chunk, cache_ram=int(a.cache_ram * (1 << 20)), log_level="debug" if a.verbose else "info")
     return 0
 
 

@@ -10,7 +10,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -251,7 +251,7 @@ def _add_generation_routes(app: FastAPI, settings: Settings, engine: Engine) -> 
         ids = await run_in_threadpool(chat_prompt_ids, llm, req, limits.prompt_chars(llm.ctx_size, longest),
                                       limits.chat_template_timeout_s)
         params = gen_params(llm, req, ids, "messages")
-        return await _serve(request, engine, params, req, ChatStream(settings.model_id, req.include_usage()))
+        return await _serve(request, engine, params, req, ChatStream(settings.model_id, req.include_usage(), llm.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -260,7 +260,18 @@ def _add_generation_routes(app: FastAPI, settings: Settings, engine: Engine) -> 
         check_supported(req, settings.model_id, names, limits)
         ids = await run_in_threadpool(completion_prompt_ids, llm, req, limits.prompt_chars(llm.ctx_size, longest))
         params = gen_params(llm, req, ids, "prompt")
-        return await _serve(request, engine, params, req, TextStream(settings.model_id, req.include_usage()))
+        return await _serve(request, engine, params, req, TextStream(settings.model_id, req.include_usage(),
+                                                                     llm.tokenizer, req.echo))
+
+
+class Choice:
+    """What one choice has received so far: text, finish reason and log-probabilities."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+        self.finish: str | None = None
+        self.logprobs: list = []  # engine.TokenLogprob, prompt tokens (echo) first
+        self.n_prompt = self.n_gen = self.cached = 0
 
 
 class ChatStream:
@@ -268,62 +279,92 @@ class ChatStream:
 
     prefix, obj = "chatcmpl", "chat.completion.chunk"
 
-    def __init__(self, model: str, include_usage: bool):
-        self.model, self.include_usage = model, include_usage
+    def __init__(self, model: str, include_usage: bool, tokenizer, echo: bool = False):
+        self.model, self.include_usage, self.tokenizer, self.echo = model, include_usage, tokenizer, echo
         self.id, self.created = P.new_id(self.prefix), int(time.time())
 
-    def opening(self) -> list[dict]:
+    def token_text(self, tok: int) -> str:
+        return self.tokenizer.decode([tok])
+
+    def opening(self, index: int, prompt_ids) -> list[dict]:
         return [P.chat_chunk(self.id, self.model, self.created, {"role": "assistant", "content": ""},
-                             None, self.include_usage)]
+                             None, self.include_usage, index)]
 
-    def piece(self, text: str) -> dict:
-        return P.chat_chunk(self.id, self.model, self.created, {"content": text}, None, self.include_usage)
+    def _entry(self, t) -> dict:
+        s = self.token_text(t.token)
+        return {"token": s, "logprob": t.logprob, "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [{"token": (a := self.token_text(i)), "logprob": v, "bytes": list(a.encode("utf-8"))}
+                                 for i, v in t.top]}
 
-    def closing(self, finish: str) -> dict:
-        return P.chat_chunk(self.id, self.model, self.created, {}, finish, self.include_usage)
+    def logprobs(self, lps: list, offset: int = 0) -> dict | None:
+        return P.chat_logprobs([self._entry(t) for t in lps])
 
-    def whole(self, text: str, finish: str, n_prompt: int, n_gen: int) -> dict:
-        return P.chat_response(self.id, self.model, text, finish, n_prompt, n_gen)
+    def piece(self, text: str, index: int, lps: list | None) -> dict:
+        return P.chat_chunk(self.id, self.model, self.created, {"content": text}, None, self.include_usage, index,
+                            None if lps is None else self.logprobs(lps))
+
+    def closing(self, finish: str, index: int) -> dict:
+        return P.chat_chunk(self.id, self.model, self.created, {}, finish, self.include_usage, index)
+
+    def whole(self, choices: list[Choice], use: dict, with_logprobs: bool) -> dict:
+        return P.chat_response(self.id, self.model, [
+            {"text": "".join(c.parts), "finish": c.finish, "logprobs": self.logprobs(c.logprobs) if with_logprobs else None}
+            for c in choices], use)
 
 
 class TextStream(ChatStream):
-    """Chunk and body shapes of /v1/completions."""
+    """Chunk and body shapes of /v1/completions; `echo` puts the prompt before the completion."""
 
     prefix, obj = "cmpl", "text_completion"
 
-    def opening(self) -> list[dict]:
-        return []
+    def opening(self, index: int, prompt_ids) -> list[dict]:
+        if not self.echo:
+            return []
+        return [P.completion_chunk(self.id, self.model, self.created, self.tokenizer.decode(list(prompt_ids)), None,
+                                   self.include_usage, index)]
 
-    def piece(self, text: str) -> dict:
-        return P.completion_chunk(self.id, self.model, self.created, text, None, self.include_usage)
+    def logprobs(self, lps: list, offset: int = 0) -> dict | None:
+        tokens, values, tops, offsets = [], [], [], []
+        for t in lps:
+            s = self.token_text(t.token)
+            tokens.append(s)
+            values.append(t.logprob)
+            tops.append(None if t.logprob is None else {self.token_text(i): v for i, v in t.top})
+            offsets.append(offset)
+            offset += len(s)
+        return P.completion_logprobs(tokens, values, tops, offsets)
 
-    def closing(self, finish: str) -> dict:
-        return P.completion_chunk(self.id, self.model, self.created, "", finish, self.include_usage)
+    def piece(self, text: str, index: int, lps: list | None) -> dict:
+        return P.completion_chunk(self.id, self.model, self.created, text, None, self.include_usage, index,
+                                  None if lps is None else self.logprobs(lps))
 
-    def whole(self, text: str, finish: str, n_prompt: int, n_gen: int) -> dict:
-        return P.completion_response(self.id, self.model, text, finish, n_prompt, n_gen)
+    def closing(self, finish: str, index: int) -> dict:
+        return P.completion_chunk(self.id, self.model, self.created, "", finish, self.include_usage, index)
+
+    def whole(self, choices: list[Choice], use: dict, with_logprobs: bool) -> dict:
+        return P.completion_response(self.id, self.model, [
+            {"text": "".join(c.parts), "finish": c.finish, "logprobs": self.logprobs(c.logprobs) if with_logprobs else None}
+            for c in choices], use)
 
 
-def _submit(engine: Engine, params: GenParams) -> tuple[Sequence, asyncio.Queue]:
+def _submit(engine: Engine, params: GenParams, n: int) -> tuple[list[Sequence], asyncio.Queue]:
+    """n sequences of `params` (choice i with seed + i when a seed is given); their responses
+    arrive on one queue as (choice index, item)."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    seqs = []
+
+    def sink_of(i):
+        return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (i, item))
     try:
-        seq = engine.submit(params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-    except EngineBusyError as e:
-        raise P.APIError(503, str(e), None, "server_busy", "server_error") from None
-    except EngineStoppedError as e:
-        raise P.APIError(503, str(e), None, "server_shutting_down", "server_error") from None
-    return seq, queue
-
-
-async def _responses(queue: asyncio.Queue) -> AsyncIterator:
-    """The sequence's GenerationResponses until the one with a finish_reason; raises its error."""
-    while True:
-        item = await queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        if item.finish_reason is not None:
-            return
+        for i in range(n):
+            p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            seqs.append(engine.submit(p, sink_of(i)))
+    except (EngineBusyError, EngineStoppedError) as e:
+        for seq in seqs:
+            engine.cancel(seq)
+        code = "server_busy" if isinstance(e, EngineBusyError) else "server_shutting_down"
+        raise P.APIError(503, str(e), None, code, "server_error") from None
+    return seqs, queue
 
 
 def _worker_error(e: BaseException) -> P.APIError:
@@ -333,48 +374,83 @@ def _worker_error(e: BaseException) -> P.APIError:
     return P.APIError(500, f"generation failed: {type(e).__name__}: {e}", None, "server_error", "server_error")
 
 
+def _usage(choices: list[Choice]) -> dict:
+    """The prompt counted once (as OpenAI does for n > 1), every choice's completion tokens."""
+    return P.usage(choices[0].n_prompt, sum(c.n_gen for c in choices), choices[0].cached)
+
+
+def _take(choice: Choice, r) -> list:
+    """Record a response in its choice; return its log-probabilities (prompt ones first)."""
+    lps = list(r.stats.get("prompt_logprobs", ())) + list(r.stats.get("logprobs", ()))
+    choice.logprobs += lps
+    choice.parts.append(r.text)
+    choice.n_prompt, choice.n_gen = r.prompt_tokens, r.generation_tokens
+    choice.cached = r.stats.get("cached_tokens", 0)
+    choice.finish = r.finish_reason
+    return lps
+
+
 async def _serve(request: Request, engine: Engine, params: GenParams, req, shape: ChatStream):
-    seq, queue = _submit(engine, params)
+    seqs, queue = _submit(engine, params, req.n)
+
+    def cancel_all():
+        for seq in seqs:
+            engine.cancel(seq)  # a no-op once finished; frees the slot if the client went away
     if req.stream:
-        return SSEResponse(_events(queue, shape), on_close=lambda: engine.cancel(seq))
+        return SSEResponse(_events(queue, shape, params, req.n), on_close=cancel_all)
     try:
-        return await _whole(request, queue, shape)
+        return await _whole(request, queue, shape, params, req.n)
     finally:
-        engine.cancel(seq)  # a no-op once finished; frees the slot if the client went away
+        cancel_all()
 
 
-async def _events(queue: asyncio.Queue, shape: ChatStream) -> AsyncIterator[bytes]:
-    for chunk in shape.opening():
-        yield sse_data(chunk)
+async def _events(queue: asyncio.Queue, shape: ChatStream, params: GenParams, n: int) -> AsyncIterator[bytes]:
+    choices = [Choice() for _ in range(n)]
+    with_lp = params.logprobs is not None
+    for i in range(n):
+        for chunk in shape.opening(i, params.prompt_ids):
+            yield sse_data(chunk)
     try:
-        async for r in _responses(queue):
-            if r.text:
-                yield sse_data(shape.piece(r.text))
+        left = n
+        while left:
+            i, r = await queue.get()
+            if isinstance(r, BaseException):
+                raise r
+            lps = _take(choices[i], r)
+            if r.text or (with_lp and lps):
+                yield sse_data(shape.piece(r.text, i, lps if with_lp else None))
             if r.finish_reason is not None:
-                yield sse_data(shape.closing(r.finish_reason))
-                if shape.include_usage:
-                    yield sse_data(P.usage_chunk(shape.id, shape.model, shape.created, shape.obj,
-                                                 r.prompt_tokens, r.generation_tokens))
+                left -= 1
+                yield sse_data(shape.closing(r.finish_reason, i))
+        if shape.include_usage:
+            yield sse_data(P.usage_chunk(shape.id, shape.model, shape.created, shape.obj, _usage(choices)))
     except Exception as e:  # headers are sent: report the failure in-stream, as OpenAI does
         yield sse_data(_worker_error(e).body())
     yield sse_data("[DONE]")
 
 
-async def _whole(request: Request, queue: asyncio.Queue, shape: ChatStream):
-    parts, next_check = [], time.monotonic() + DISCONNECT_POLL_S
+async def _whole(request: Request, queue: asyncio.Queue, shape: ChatStream, params: GenParams, n: int):
+    choices, left = [Choice() for _ in range(n)], n
+    if shape.echo:
+        for c in choices:
+            c.parts.append(shape.tokenizer.decode(list(params.prompt_ids)))
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     while True:
         try:
-            r = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+            item = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
-            r = None
+            item = None
         if time.monotonic() >= next_check:
             if await request.is_disconnected():
-                return JSONResponse({}, 499)  # nobody is listening; the caller cancels the sequence
+                return JSONResponse({}, 499)  # nobody is listening; the caller cancels the sequences
             next_check = time.monotonic() + DISCONNECT_POLL_S
-        if r is None:
+        if item is None:
             continue
+        i, r = item
         if isinstance(r, BaseException):
             raise _worker_error(r)
-        parts.append(r.text)
+        _take(choices[i], r)
         if r.finish_reason is not None:
-            return shape.whole("".join(parts), r.finish_reason, r.prompt_tokens, r.generation_tokens)
+            left -= 1
+            if not left:
+                return shape.whole(choices, _usage(choices), params.logprobs is not None)

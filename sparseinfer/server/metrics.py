@@ -5,6 +5,7 @@ import threading
 import time
 from collections import Counter, deque
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)  # decode batch size histogram bounds
 RATE_WINDOW_S = 10.0  # tokens/s gauge: generated tokens over the last this many seconds
 
 
@@ -19,15 +20,44 @@ class Metrics:
         self.sequences_finished: Counter[str] = Counter()  # finish reason -> count
         self.ttft_sum = 0.0
         self.ttft_count = 0
+        self.queue_sum = 0.0  # seconds from submission to admission
+        self.queue_count = 0
+        self.batch_rows: Counter[int] = Counter()  # decode steps by the number of sequences in them
+        self.prefix_hits = 0
+        self.prefix_misses = 0
+        self.cached_prompt_tokens = 0
+        self.prefix_entries = 0
+        self.prefix_bytes = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for the rate gauge
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
             self.requests[(endpoint, status)] += 1
 
-    def prompt_done(self, n_prompt: int, ttft_s: float) -> None:
+    def admitted(self, queue_s: float) -> None:
         with self._lock:
-            self.prompt_tokens += n_prompt
+            self.queue_sum += queue_s
+            self.queue_count += 1
+
+    def batch(self, rows: int) -> None:
+        with self._lock:
+            self.batch_rows[rows] += 1
+
+    def prefix_lookup(self, cached_tokens: int) -> None:
+        with self._lock:
+            if cached_tokens:
+                self.prefix_hits += 1
+                self.cached_prompt_tokens += cached_tokens
+            else:
+                self.prefix_misses += 1
+
+    def prefix_cache_size(self, entries: int, nbytes: int) -> None:
+        with self._lock:
+            self.prefix_entries, self.prefix_bytes = entries, nbytes
+
+    def prompt_done(self, n_prompt: int, cached: int, ttft_s: float) -> None:
+        with self._lock:
+            self.prompt_tokens += n_prompt - cached
             self.ttft_sum += ttft_s
             self.ttft_count += 1
 
@@ -60,7 +90,7 @@ class Metrics:
         with self._lock:
             lines = _family("sparseinfer_requests_total", "counter", "HTTP requests by endpoint and status.",
                             [({"endpoint": e, "status": str(s)}, n) for (e, s), n in sorted(self.requests.items())])
-            lines += _family("sparseinfer_prompt_tokens_total", "counter", "Prompt tokens prefilled.",
+            lines += _family("sparseinfer_prompt_tokens_total", "counter", "Prompt tokens prefilled (not counting those taken from the prefix cache).",
                              [({}, self.prompt_tokens)])
             lines += _family("sparseinfer_generation_tokens_total", "counter", "Tokens generated.",
                              [({}, self.generation_tokens)])
@@ -70,6 +100,27 @@ class Metrics:
             lines += _family("sparseinfer_time_to_first_token_seconds", "summary",
                              "Time from admission to the first token (prefill).",
                              [({}, self.ttft_sum, "_sum"), ({}, self.ttft_count, "_count")])
+            lines += _family("sparseinfer_queue_time_seconds", "summary",
+                             "Time from submission to admission (waiting for a slot).",
+                             [({}, self.queue_sum, "_sum"), ({}, self.queue_count, "_count")])
+            steps = sum(self.batch_rows.values())
+            lines += _family("sparseinfer_decode_batch_size", "histogram",
+                             "Sequences decoded together per engine step.",
+                             [({"le": str(b)}, sum(n for r, n in self.batch_rows.items() if r <= b), "_bucket")
+                              for b in BATCH_BUCKETS]
+                             + [({"le": "+Inf"}, steps, "_bucket"),
+                                ({}, sum(r * n for r, n in self.batch_rows.items()), "_sum"), ({}, steps, "_count")])
+            lines += _family("sparseinfer_prefix_cache_lookups_total", "counter",
+                             "Admitted sequences by whether a cached prompt prefix was reused.",
+                             [({"result": "hit"}, self.prefix_hits), ({"result": "miss"}, self.prefix_misses)])
+            lines += _family("sparseinfer_prefix_cache_tokens_total", "counter",
+                             "Prompt tokens taken from the prefix cache instead of prefilled.",
+                             [({}, self.cached_prompt_tokens)])
+            lines += _family("sparseinfer_prefix_cache_entries", "gauge", "KV caches kept for prompt reuse.",
+                             [({}, self.prefix_entries)])
+            lines += _family("sparseinfer_prefix_cache_bytes", "gauge",
+                             "Bytes of the KV caches kept for prompt reuse (--cache-ram bounds them).",
+                             [({}, self.prefix_bytes)])
         lines += _family("sparseinfer_generation_tokens_per_second", "gauge",
                          f"Tokens generated per second over the last {RATE_WINDOW_S:.0f} s.", [({}, tps)])
         lines += _family("sparseinfer_queue_depth", "gauge", "Requests waiting for a slot.", [({}, queue_depth)])

@@ -11,6 +11,8 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _Sampl
 
 log = logging.getLogger("sparseinfer.server")
 
+MAX_N = 16  # choices per request (each takes a slot in turn)
+
 
 def longest_token_chars(tokenizer) -> int:
     """Characters of the longest token's text: a text of more than ctx times this cannot fit."""
@@ -23,11 +25,13 @@ def check_supported(req: _SamplingRequest, model_id: str, served_names: set[str]
     if req.model is not None and req.model not in served_names:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_id!r} "
                        "(see GET /v1/models)", "model", "model_not_found")
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: this server returns one choice per request",
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n={req.n} is out of range: ask for 1 to {MAX_N} choices per request",
                        "n", "unsupported_value")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     extra = req.model_extra or {}
-    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias"):
+    for name in ("tools", "functions", "logit_bias"):
         if extra.get(name):
             raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
     fmt = extra.get("response_format")
@@ -75,8 +79,6 @@ def chat_prompt_ids(llm, req: ChatCompletionRequest, max_chars: int, template_se
 def completion_prompt_ids(llm, req: CompletionRequest, max_chars: int) -> list[int]:
     """A text prompt is tokenized as `LLM.generate(text)` does (unless it is over `max_chars`
     characters); token ids are taken as given."""
-    if req.echo:
-        raise APIError(400, "echo is not supported by this server", "echo", "unsupported_parameter")
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", "suffix", "unsupported_parameter")
     if req.best_of not in (None, 1):
@@ -115,4 +117,12 @@ def gen_params(llm, req: _SamplingRequest, ids: list[int], prompt_param: str) ->
         prompt_ids=tuple(ids), max_tokens=min(want or room, room), temperature=req.temperature,
         top_k=req.top_k, top_p=req.top_p or 1e-9,  # top_p=0 keeps only the most likely token
         min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        seed=req.seed, stop=tuple(req.stop_list()))
+        seed=req.seed, stop=tuple(req.stop_list()), logprobs=requested_logprobs(req),
+        prompt_logprobs=bool(getattr(req, "echo", False)) and requested_logprobs(req) is not None)
+
+
+def requested_logprobs(req: _SamplingRequest) -> int | None:
+    """None when no log-probabilities are asked for, else how many alternatives per token."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs

@@ -95,9 +95,14 @@ class _SamplingRequest(_Body):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -109,6 +114,7 @@ class CompletionRequest(_SamplingRequest):
     # a string, token ids, or a one-element list of either (n prompts per request are not served)
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -121,51 +127,64 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n_gen: int) -> dict:
+def chat_logprobs(entries: list[dict]) -> dict:
+    """A chat choice's `logprobs` from `{"token", "logprob", "bytes", "top_logprobs"}` entries."""
+    return {"content": entries, "refusal": None}
+
+
+def completion_logprobs(tokens: list[str], lps: list[float | None], tops: list[dict | None],
+                        offsets: list[int]) -> dict:
+    """A completion choice's `logprobs` (the legacy shape: parallel lists)."""
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    """choices: {"text", "finish", "logprobs"} per choice, in index order."""
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish}],
-        "usage": usage(n_prompt, n_gen),
+        "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"]},
+                     "logprobs": c.get("logprobs"), "finish_reason": c["finish"]} for i, c in enumerate(choices)],
+        "usage": use,
     }
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: str | None = None,
-               with_usage_field: bool = False) -> dict:
+               with_usage_field: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
     out: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
     if with_usage_field:
         out["usage"] = None
     return out
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, n_prompt: int, n_gen: int) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        "usage": usage(n_prompt, n_gen),
+        "choices": [{"index": i, "text": c["text"], "logprobs": c.get("logprobs"), "finish_reason": c["finish"]}
+                    for i, c in enumerate(choices)],
+        "usage": use,
     }
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     with_usage_field: bool = False) -> dict:
+                     with_usage_field: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
     out: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
     if with_usage_field:
         out["usage"] = None
     return out
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, n_prompt: int, n_gen: int) -> dict:
+def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict) -> dict:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, only usage."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(n_prompt, n_gen)}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}

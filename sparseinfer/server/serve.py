@@ -20,8 +20,9 @@ def require_extras() -> None:
 
 
 def serve(llm, settings, host: str = "127.0.0.1", port: int = 8080, parallel: int = 1, max_queue: int = 64,
-          log_level: str = "info") -> None:
-    """Serve `llm` (loaded with n_seq=`parallel`) as `settings` (`server.app.Settings`) on host:port.
+          prefill_chunk: int = 256, cache_ram: int = 512 << 20, log_level: str = "info") -> None:
+    """Serve `llm` (loaded with n_seq=`parallel`) as `settings` (`server.app.Settings`) on host:port;
+    `prefill_chunk` and `cache_ram` (bytes) go to the `Engine`.
     The name bound is added to `settings.limits.allowed_hosts`."""
     require_extras()
     import uvicorn
@@ -39,7 +40,7 @@ def serve(llm, settings, host: str = "127.0.0.1", port: int = 8080, parallel: in
     if not _is_loopback(host) and "*" not in limits.allowed_hosts:
         print("note: clients that reach this server by a host name (not an IP address or localhost) "
               "need it in --allowed-hosts", file=sys.stderr)
-    app = create_app(settings, Engine(llm, parallel, max_queue))
+    app = create_app(settings, Engine(llm, parallel, max_queue, prefill_chunk=prefill_chunk, cache_ram=cache_ram))
     print(f"chat page and API at http://{_url_host(host)}:{port}/", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
