@@ -197,7 +197,11 @@ BAD = [
      "max_tokens"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": CTX + 1}, None, 400,
      "context_length_exceeded", "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": MSG, "n": 2}, None, 400, "unsupported_value", "n"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 0}, None, 400, "unsupported_value", "n"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 17}, None, 400, "unsupported_value", "n"),
+    ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, None, 400, "invalid_value", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, None, 400, None,
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, None, 400, None, "stream"),
     ("/v1/chat/completions", {"messages": MSG, "stop": 5}, None, 400, None, "stop"),
     ("/v1/chat/completions", {"messages": MSG, "top_p": 1.5}, None, 400, None, "top_p"),
@@ -211,7 +215,8 @@ BAD = [
     ("/v1/completions", {"prompt": 42}, None, 400, None, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, None, 400, "invalid_value", "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, None, 400, "unsupported_value", "prompt"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, None, 400, "unsupported_parameter", "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, None, 400, None, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, None, 400, "unsupported_parameter", "suffix"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, None, 400, "array_above_max_length", "stop"),
     ("/v1/chat/completions", {"messages": MSG, "stop": "x" * 257}, None, 400, "string_above_max_length", "stop"),
 ]
@@ -347,77 +352,11 @@ def test_metrics(server, client):
     assert s["sparseinfer_generation_tokens_per_second"] >= 0
     assert s["sparseinfer_slots"] == 2 and s["sparseinfer_queue_depth"] == 0
     assert "sparseinfer_active_slots" in s
-
-
-# ----------------------------------------------------------------------------- engine, with a fake model
-class FakeLLM:
-    """Yields `max_tokens` one-letter pieces per sequence (prompt [0] -> "a"...) and logs the order
-    of steps; prompt [6] ("g") first waits for `gate`, prompt [25] ("z") fails."""
-
-    ctx_size = 64
-
-    def __init__(self):
-        self.log: list[str] = []
-        self.gate = threading.Event()
-
-    def stream_generate(self, ids, max_tokens, **kw):
-        from sparseinfer.generate import GenerationResponse
-
-        name = chr(ord("a") + ids[0])
-        if name == "z":
-            raise RuntimeError("boom")
-        if name == "g":
-            self.gate.wait(10)
-        for i in range(1, max_tokens + 1):
-            self.log.append(name)
-            yield GenerationResponse(name, i, len(ids), i, finish_reason="length" if i == max_tokens else None)
-
-
-def _sink(out: list, done: threading.Event):
-    def sink(item):
-        out.append(item)
-        if isinstance(item, Exception) or item.finish_reason:
-            done.set()
-    return sink
-
-
-def _run(engine, first_token: int, max_tokens: int):
-    from sparseinfer.server.engine import GenParams
-
-    out, done = [], threading.Event()
-    seq = engine.submit(GenParams((first_token,), max_tokens), _sink(out, done))
-    return seq, out, done
-
-
-def test_engine_round_robin_queue_and_cancel():
-    from sparseinfer.server.engine import EngineBusyError
-
-    llm = FakeLLM()
-    engine = Engine(llm, parallel=2, max_queue=3).start()
-    try:
-        _, _, g_done = _run(engine, 6, 1)  # holds the worker until the gate opens
-        time.sleep(0.2)
-        (b, b_out, b_done), (c, _, c_done) = _run(engine, 1, 4), _run(engine, 2, 4)
-        d, d_out, _ = _run(engine, 3, 4)
-        with pytest.raises(EngineBusyError):
-            _run(engine, 4, 4)
-        engine.cancel(d)  # a queued request leaves the queue at once
-        assert engine.queued == 2
-        llm.gate.set()
-        assert g_done.wait(5) and b_done.wait(5) and c_done.wait(5)
-        assert llm.log == ["g"] + ["b", "c"] * 4  # one token each, in turn
-        assert "".join(r.text for r in b_out) == "bbbb" and b_out[-1].finish_reason == "length"
-        assert d_out == []
-        # a failing sequence reports its error and the engine keeps serving
-        _, err, done = _run(engine, 25, 2)
-        assert done.wait(5) and isinstance(err[0], RuntimeError)
-        _, ok, done = _run(engine, 0, 2)
-        assert done.wait(5) and ok[-1].generation_tokens == 2
-        assert engine.active == 0 and engine.queued == 0
-        engine.cancel(b)  # finished: a no-op
-    finally:
-        engine.stop()
-    assert not engine.alive
+    assert s["sparseinfer_queue_time_seconds_count"] >= 1
+    assert s['sparseinfer_decode_batch_size_bucket{le="+Inf"}'] == s["sparseinfer_decode_batch_size_count"] >= 1
+    assert s['sparseinfer_prefix_cache_lookups_total{result="hit"}'] + \
+        s['sparseinfer_prefix_cache_lookups_total{result="miss"}'] == s["sparseinfer_queue_time_seconds_count"]
+    assert s["sparseinfer_prefix_cache_bytes"] >= 0 and "sparseinfer_prefix_cache_tokens_total" in s
 
 
 # ----------------------------------------------------------------------------- limits and hardening
