@@ -4,11 +4,15 @@
     python benchmarks/load_test.py --url http://127.0.0.1:8080 --server-pid 1234
     # or start one for the run and stop it afterwards
     python benchmarks/load_test.py --spawn "-m smollm2 --parallel 4"
+    # aggregate tokens/s with 1 and with 4 concurrent streams, alternated, twice each
+    python benchmarks/load_test.py --spawn "-m smollm2 --parallel 4" --streams 1,4 --repeat 2 --duration 20
+    # time to first token of a long chat's first and second turn (prompt reuse)
+    python benchmarks/load_test.py --spawn "-m smollm2 --parallel 4" --turns 1000
 
 Loopback only. Bounded: no new request starts after --duration seconds, each request is capped
 by --max-tokens and a timeout, then it stops by itself. Reports requests/s, generated tokens/s,
-time-to-first-token and total latency percentiles, failed requests, malformed streams, and the
-server's RSS growth from the end of warm-up to the end (from /proc/PID/status).
+time-to-first-token, inter-token and total latency percentiles, failed requests, malformed
+streams, and the server's RSS growth from the end of warm-up to the end (from /proc/PID/status).
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class Result:
     start: float
     ttft: float | None = None
     total: float | None = None
+    gaps: list[float] = field(default_factory=list)  # seconds between content chunks
+    text: str = ""
     tokens: int = 0
     malformed: str | None = None
     error: str | None = None
@@ -81,11 +87,13 @@ def check_stream(payloads: list[str]) -> tuple[int, str | None]:
     return int(usage["completion_tokens"]), None
 
 
-async def one_request(client: httpx.AsyncClient, args, rng: random.Random) -> Result:
-    body = {"model": args.model, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+async def one_request(client: httpx.AsyncClient, args, rng: random.Random, messages: list | None = None) -> Result:
+    messages = messages or [{"role": "user", "content": rng.choice(PROMPTS)}]
+    body = {"model": args.model, "messages": messages,
             "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": rng.randrange(2**31),
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
+    last = None
     res = Result(ok=False, start=time.monotonic())
     payloads: list[str] = []
     try:
@@ -100,13 +108,21 @@ async def one_request(client: httpx.AsyncClient, args, rng: random.Random) -> Re
                     res.malformed = f"non-data line {line[:80]!r}"
                     continue
                 payloads.append(line[6:])
-                if res.ttft is None and '"content":"' in line and '"content":""' not in line:
-                    res.ttft = time.perf_counter() - t0
+                if '"content":"' in line and '"content":""' not in line:
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - t0
+                    else:
+                        res.gaps.append(now - last)
+                    last = now
     except (httpx.HTTPError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.total = time.perf_counter() - t0
     res.tokens, problem = check_stream(payloads)
+    if problem is None:
+        res.text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, payloads[:-1])
+                           if c.get("choices"))
     res.malformed = res.malformed or problem
     res.ok = res.malformed is None
     return res
@@ -140,15 +156,16 @@ async def watch_rss(pid: int | None, run: Run, stop: asyncio.Event) -> None:
             pass
 
 
-async def load(args, pid: int | None) -> tuple[Run, float, float]:
+async def load(args, pid: int | None, clients: int | None = None) -> tuple[Run, float, float]:
+    clients = clients or args.clients
     run, stop = Run(), asyncio.Event()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits) as client:
         watcher = asyncio.create_task(watch_rss(pid, run, stop))
         t0 = time.monotonic()
         deadline = t0 + args.duration
-        await asyncio.gather(*(client_loop(i, client, args, deadline, run) for i in range(args.clients)))
+        await asyncio.gather(*(client_loop(i, client, args, deadline, run) for i in range(clients)))
         elapsed = time.monotonic() - t0
         stop.set()
         await watcher
@@ -162,13 +179,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-def summarize(run: Run, t0: float, elapsed: float, args) -> dict:
+def summarize(run: Run, t0: float, elapsed: float, args, clients: int | None = None) -> dict:
     ok = [r for r in run.results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     total = [r.total for r in ok]
+    gaps = [g for r in ok for g in r.gaps]
     warm = [kb for t, kb in run.rss_kb if t >= t0 + args.warmup]
     out = {
-        "clients": args.clients, "duration_s": round(elapsed, 1), "max_tokens": args.max_tokens,
+        "clients": clients or args.clients, "duration_s": round(elapsed, 1), "max_tokens": args.max_tokens,
         "requests": len(run.results), "completed": len(ok),
         "failed": sum(r.error is not None for r in run.results),
         "malformed_streams": sum(r.malformed is not None for r in run.results),
@@ -177,6 +195,7 @@ def summarize(run: Run, t0: float, elapsed: float, args) -> dict:
         "tokens_per_s": round(sum(r.tokens for r in ok) / elapsed, 2),
         "mean_tokens_per_request": round(statistics.mean([r.tokens for r in ok]), 1) if ok else 0,
         "ttft_s": {f"p{q}": round(pct(ttft, q), 3) for q in (50, 90, 99)},
+        "inter_token_s": {f"p{q}": round(pct(gaps, q), 4) for q in (50, 90, 99)},
         "total_s": {f"p{q}": round(pct(total, q), 3) for q in (50, 90, 99)},
     }
     if warm:
@@ -186,6 +205,48 @@ def summarize(run: Run, t0: float, elapsed: float, args) -> dict:
     if errors:
         out["first_errors"] = errors[:5]
     return out
+
+
+def scaling(args, pid: int | None) -> dict:
+    """Aggregate generated tokens/s for each stream count of --streams, the counts alternated
+    --repeat times; medians, and each count's median over the first count's."""
+    counts = [int(x) for x in args.streams.split(",")]
+    runs: dict[int, list[dict]] = {n: [] for n in counts}
+    for _ in range(args.repeat):
+        for n in counts:
+            run, t0, elapsed = asyncio.run(load(args, pid, n))
+            runs[n].append(summarize(run, t0, elapsed, args, n))
+    med = {n: statistics.median(r["tokens_per_s"] for r in runs[n]) for n in counts}
+    return {"streams": {str(n): {"tokens_per_s_runs": [r["tokens_per_s"] for r in runs[n]],
+                                 "tokens_per_s_median": med[n],
+                                 "inter_token_p50_s": [r["inter_token_s"]["p50"] for r in runs[n]],
+                                 "failed": sum(r["failed"] + r["malformed_streams"] for r in runs[n])}
+                        for n in counts},
+            "speedup_over_first": {str(n): round(med[n] / med[counts[0]], 2) for n in counts}}
+
+
+LONG_TEXT = ("The history of computing spans centuries, from the abacus to mechanical calculators, from punched "
+             "cards to vacuum tubes, transistors and integrated circuits. ")
+
+
+async def two_turns(args, n_tokens: int) -> dict:
+    """A first chat turn of about `n_tokens` prompt tokens, then a second turn on top of it: the
+    time to first token of each (the second reuses the first's KV cache where the server keeps it)."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rng = random.Random(args.seed)
+    words = max(1, n_tokens // 24)  # LONG_TEXT is about 24 tokens in common BPE vocabularies
+    first = [{"role": "user", "content": f"{LONG_TEXT * words}\nSummarize the text above in one sentence."}]
+    async with httpx.AsyncClient(base_url=args.url, headers=headers) as client:
+        r1 = await one_request(client, args, rng, first)
+        second = first + [{"role": "assistant", "content": r1.text},
+                          {"role": "user", "content": "Now say it in five words."}]
+        r2 = await one_request(client, args, rng, second)
+        m = (await client.get("/metrics")).text
+    cached = [ln for ln in m.splitlines() if ln.startswith("sparseinfer_prefix_cache_tokens_total ")]
+    return {"first_turn_ttft_s": r1.ttft and round(r1.ttft, 3), "second_turn_ttft_s": r2.ttft and round(r2.ttft, 3),
+            "ratio": r1.ttft and r2.ttft and round(r2.ttft / r1.ttft, 3),
+            "ok": r1.ok and r2.ok, "errors": [r.error or r.malformed for r in (r1, r2) if not r.ok],
+            "server_cached_tokens_total": float(cached[0].split()[1]) if cached else None}
 
 
 def spawn_server(spec: str, url: str) -> subprocess.Popen:
@@ -232,14 +293,25 @@ def main() -> int:
     ap.add_argument("--spawn", default=None, help="start `python -m sparseinfer.server SPAWN` for the run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the summary here too")
+    ap.add_argument("--streams", default=None, metavar="N,M",
+                    help="instead of one load run: aggregate tokens/s for each of these stream counts")
+    ap.add_argument("--repeat", type=int, default=1, help="with --streams: alternate the counts this many times")
+    ap.add_argument("--turns", type=int, default=None, metavar="TOKENS",
+                    help="instead of one load run: TTFT of a chat's first turn of about TOKENS prompt tokens "
+                         "and of its second turn")
     args = ap.parse_args()
     loopback_only(args.url)
     proc = spawn_server(args.spawn, args.url) if args.spawn else None
     pid = proc.pid if proc else args.server_pid
     try:
-        run, t0, elapsed = asyncio.run(load(args, pid))
-        summary = summarize(run, t0, elapsed, args)
-        summary["server_metrics_tokens_total"] = _server_tokens(args)
+        if args.streams:
+            summary = scaling(args, pid)
+        elif args.turns:
+            summary = asyncio.run(two_turns(args, args.turns))
+        else:
+            run, t0, elapsed = asyncio.run(load(args, pid))
+            summary = summarize(run, t0, elapsed, args)
+            summary["server_metrics_tokens_total"] = _server_tokens(args)
     finally:
         if proc:
             proc.send_signal(signal.SIGINT)
@@ -252,6 +324,10 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text + "\n")
+    if args.streams:
+        return 0 if all(v["failed"] == 0 for v in summary["streams"].values()) else 1
+    if args.turns:
+        return 0 if summary["ok"] else 1
     return 0 if summary["failed"] == 0 and summary["malformed_streams"] == 0 else 1
 
 

@@ -71,3 +71,29 @@ def test_decode_batch_checks_its_arguments(tmp_path):
     from sparseinfer.errors import ContextOverflowError
     with pytest.raises(ContextOverflowError):
         model.decode_batch([5], [full])
+
+
+@pytest.mark.skipif(not cpu.available(), reason="needs the compiled kernels")
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "q8_0"])
+def test_attend1_rows_is_attend1_stored_per_row(cache_type):
+    """The batched attention call: row b equals the one-sequence kernel on that row's cache,
+    bit for bit, and both follow the reference attention (torch SDPA over the decoded cache)."""
+    from sparseinfer.kv_cache import decode, encode
+
+    g = torch.Generator().manual_seed(0)
+    H, Hk, D, cap = 4, 2, 64, 40
+    q = torch.randn(3, H, 1, D, generator=g)
+    kvs = []
+    for L in (1, 17, 40):
+        k = encode(cache_type, torch.randn(1, Hk, cap, D, generator=g))
+        v = encode(cache_type, torch.randn(1, Hk, cap, D, generator=g))
+        kvs.append((k, v, L))
+    out = cpu.attend1_rows(q, kvs, cache_type)
+    for b, (k, v, L) in enumerate(kvs):
+        one = cpu.attend1_stored(q[b: b + 1], k[:, :, :L], v[:, :, :L], cache_type)
+        assert torch.equal(out[b: b + 1], one)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b: b + 1], decode(cache_type, k[:, :, :L], D), decode(cache_type, v[:, :, :L], D), enable_gqa=True)
+        torch.testing.assert_close(out[b: b + 1], ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="holding at least"):
+        cpu.attend1_rows(q[:1], [(kvs[0][0], kvs[0][1], cap + 1)], cache_type)

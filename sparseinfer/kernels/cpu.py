@@ -407,6 +407,34 @@ def attend1_stored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_type
     return o
 
 
+def attend1_rows(q: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tensor, int]], cache_type: str) -> torch.Tensor:
+    """`attend1_stored` for B sequences at once: row b of q (B, H, 1, D) attends over the first
+    L_b positions of its own stored cache (k_b, v_b, L_b), k_b and v_b (1, Hk, capacity, row)
+    whole cache buffers. Returns (B, H, 1, D); each row is exactly `attend1_stored` of that row."""
+    _require()
+    B, H, T, D = q.shape
+    if T != 1 or q.dtype is not _F32 or not q.is_cpu or len(kvs) != B:
+        raise ValueError("q must be (B, H, 1, D) float32 on the CPU, with one (k, v, length) per row")
+    rb = row_bytes(cache_type, D)
+    code = KV_CODES[cache_type]
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    step = H * D * 4
+    for b, (k, v, L) in enumerate(kvs):
+        Hk = k.shape[1]
+        for t in (k, v):
+            if not t.is_cpu or t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != Hk or not 1 <= L <= t.shape[2] \
+                    or t.shape[3] * t.element_size() != rb or t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+                raise ValueError(f"k and v must be (1, Hk, capacity, row) CPU tensors of {cache_type} rows of "
+                                 f"{D} values, holding at least {L} positions")
+        if H % Hk:
+            raise ValueError(f"{H} query heads do not share {Hk} KV heads evenly")
+        es = k.element_size()
+        _cpu.attend1(q.data_ptr() + b * step, k.data_ptr(), v.data_ptr(), o.data_ptr() + b * step, H, Hk, D, L,
+                     es * k.stride(1), es * v.stride(1), D ** -0.5, code)
+    return o
+
+
 def kv_store(x: torch.Tensor, cache_type: str) -> torch.Tensor:
     """The rows of x (..., D) float32 in the stored form of `cache_type`, converted by the C
     core (what the decode step writes; `kv_cache.encode` is the reference)."""

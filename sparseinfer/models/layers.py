@@ -357,9 +357,23 @@ class Attention(Module):
         v = v.reshape(B, 1, Hk, D).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        out = torch.empty(B, H, 1, D, device=x.device)
-        for b, kv in enumerate(caches):
-            out[b: b + 1] = attend_cached(q[b: b + 1], k[b: b + 1], v[b: b + 1], kv)
+        types = {kv.cache_type for kv in caches}
+        if x.is_cpu and cpu.available() and len(types) == 1 and all(kv.on_cpu for kv in caches):
+            # the rows' new keys and values stored at once, then each row attends over its own cache
+            (ctype,) = types
+            ek, ev = kv_encode(ctype, k), kv_encode(ctype, v)
+            kvs = []
+            for b, kv in enumerate(caches):
+                kc, vc, pos = kv.slot(Hk, D)
+                kc[0, :, pos] = ek[b, :, 0]
+                vc[0, :, pos] = ev[b, :, 0]
+                kv.advance()
+                kvs.append((kc, vc, kv.length))
+            out = cpu.attend1_rows(q.float(), kvs, ctype)
+        else:
+            out = torch.empty(B, H, 1, D, device=x.device)
+            for b, kv in enumerate(caches):
+                out[b: b + 1] = attend_cached(q[b: b + 1], k[b: b + 1], v[b: b + 1], kv)
         return self.o(out.transpose(1, 2).reshape(B, 1, H * D))
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerKV) -> torch.Tensor:
