@@ -216,3 +216,28 @@ def test_n_choices(server):
     finishes = {c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
     assert finishes == {0, 1}
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_prompt_logprobs_across_prefill_chunks(llm):
+    """Echo log-probabilities of a prompt prefilled in chunks of 3 (the last position of each
+    chunk predicts the first token of the next): those of forward passes over the same chunks,
+    and those of one pass over the whole prompt within the accuracy contract."""
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog near the river bank")
+    engine = Engine(llm, parallel=2, prefill_chunk=3, cache_ram=0).start()
+    try:
+        (_, last), = run(engine, [GenParams(tuple(ids), 1, temperature=0.0, logprobs=1, prompt_logprobs=True)])[0]
+    finally:
+        engine.stop()
+    got = last.stats["prompt_logprobs"]
+    assert [t.token for t in got] == ids and got[0].logprob is None
+    values = torch.tensor([t.logprob for t in got[1:]])
+    cache = llm.new_cache(len(ids) + 1)
+    with torch.inference_mode():
+        chunks = torch.cat([llm.model(torch.tensor([ids[s: s + 3]]), cache)[0] for s in range(0, len(ids), 3)])
+    same = torch.log_softmax(chunks.float(), dim=-1)
+    torch.testing.assert_close(values, torch.tensor([float(same[j, ids[j + 1]]) for j in range(len(ids) - 1)]),
+                               atol=1e-6, rtol=0)
+    ref = direct_logprobs(llm, ids)
+    want = torch.tensor([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+    torch.testing.assert_close(values, want, atol=1e-2, rtol=0)
+    assert all(len(t.top) == 1 and t.top[0][1] >= t.logprob - 1e-6 for t in got[1:])
