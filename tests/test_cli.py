@@ -109,3 +109,13 @@ def test_default_data_outside_a_checkout(monkeypatch, tmp_path):
     monkeypatch.setattr(args, "__file__", str(tmp_path / "site-packages" / "sparseinfer" / "commands" / "args.py"))
     with pytest.raises(SparseInferError, match="pass -f FILE"):
         args.repo_data("wikitext-2-raw", "wiki.test.raw", flag="-f FILE")
+
+
+@pytest.mark.parametrize("flag,value,says", [("--prefill-chunk", "0", "--prefill-chunk must be >= 1"),
+                                             ("--cache-ram", "-1", "--cache-ram must be a number of MiB >= 0")])
+def test_serve_batching_options_are_checked_before_the_load(tmp_path, flag, value, says):
+    pytest.importorskip("uvicorn")
+    r = run_cli("serve", "-m", str(tmp_path / "none.gguf"), flag, value)
+    assert r.returncode == 1 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, "-m", "sparseinfer.server", "--help"], capture_output=True, text=True, timeout=300)
+    assert flag in r.stdout
