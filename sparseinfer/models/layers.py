@@ -347,16 +347,12 @@ class Attention(Module):
         Every row gets the numbers it would get alone (`cpu.matmul_equals_gemv`)."""
         B = x.shape[0]
         H, Hk, D = self.n_heads, self.n_kv_heads, self.d_head
-        if self._fused(x):
-            y = self._qkv(x)
-            q, k, v = y.split([H * D, Hk * D, Hk * D], dim=-1)
-        else:
-            q, k, v = self.q(x), self.k(x), self.v(x)
-        q = q.reshape(B, 1, H, D).transpose(1, 2)
-        k = k.reshape(B, 1, Hk, D).transpose(1, 2)
-        v = v.reshape(B, 1, Hk, D).transpose(1, 2)
-        if self.rotary is not None:
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        y = self._qkv(x) if self._fused(x) else torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        qk = y[..., : (H + Hk) * D].reshape(B, 1, H + Hk, D).transpose(1, 2)
+        if self.rotary is not None:  # q and k in one call
+            qk = self.rotary(qk, positions)
+        q, k = qk[:, :H], qk[:, H:]
+        v = y[..., (H + Hk) * D:].reshape(B, 1, Hk, D).transpose(1, 2)
         types = {kv.cache_type for kv in caches}
         if x.is_cpu and cpu.available() and len(types) == 1 and all(kv.on_cpu for kv in caches):
             # the rows' new keys and values stored at once, then each row attends over its own cache
