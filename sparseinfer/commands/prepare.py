@@ -31,14 +31,15 @@ def add_parser(subparsers):
 def run(a) -> int:
     from ..sparse.prepare import PrepareOptions, check_options, make_pack, print_report
 
-    # default: the checkout's shared/data, whose files calibrate mixes (checked before the load)
-    data = a.data if a.data is not None else str(repo_data(flag="--data FILE"))
-    opts = PrepareOptions(data=data, target_sparsity=a.target_sparsity, max_ppl_increase=a.max_ppl_increase,
+    opts = PrepareOptions(data=a.data, target_sparsity=a.target_sparsity, max_ppl_increase=a.max_ppl_increase,
                           allocation=a.allocation, tokens=a.tokens, recall=a.recall, steps=a.steps, output=a.output,
                           plot=False if a.no_plot else True, evaluate=not a.no_eval)
     if a.sizes:
         opts.sizes = tuple(int(s) for s in a.sizes.split(","))
-    check_options(opts)
+    check_options(opts)  # the options first, then the data they need, then the load
+    # default: the checkout's shared/data, whose files calibrate mixes
+    if opts.data is None:
+        opts.data = str(repo_data(flag="--data FILE"))
     t0 = time.perf_counter()
     llm = load_from_args(a, report=False, dense=True)
     pack = make_pack(llm.model, llm.source, llm.tokenizer, llm.info.path, opts, started=t0)
