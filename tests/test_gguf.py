@@ -240,7 +240,6 @@ def test_fused_groups_are_loaded_into_one_buffer(tmp_path, workers, monkeypatch)
     import sparseinfer.models.registry as R
     from sparseinfer.io.weights import open_source
     from sparseinfer.kernels import cpu
-    from tests.tiny import export_gguf, hf_model
 
     path = export_gguf(hf_model("qwen2"), tmp_path / "m.gguf", "Q8_0")
     x = torch.tensor([[5, 17, 99, 3, 42]])

@@ -315,7 +315,10 @@ def _plan_neurons(costs: CostModel, hot_freqs: Sequence[np.ndarray] | None, budg
     left = _place_fixed(costs, p, left, with_predictors=True)
     ffn_left = left - costs.ffn_overhead * len(costs.layers)
     groups = [make_groups(f, lc.neuron, group_size) for f, lc in zip(hot_freqs, costs.layers)]
-    if ffn_left > 0:
+    if ffn_left >= sum(int(g.cost.sum()) for g in groups):  # every neuron fits: no choice to make
+        # (a solver may leave out neurons whose frequency is below its tolerance)
+        counts, p.solver = [len(g.size) for g in groups], "all"
+    elif ffn_left > 0:
         counts, p.solver, notes = choose_hot(groups, ffn_left, solver, min_groups, time_limit)
         p.notes += notes
     else:
