@@ -153,7 +153,6 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         with torch.inference_mode():
             model = build_model(src, checked=True)
         if bar is not None:
-            bar.update(bar.total - bar.n)
             bar.close()
             bar = src.on_read = None
         src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
@@ -212,8 +211,8 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 def _loading_heap() -> None:
     """While loading (glibc): allocations of 64 KB and more get their own mappings, so a
     temporary of a weight's size (repacking, permuted copies, neuron records; a small model's
-    matrices are a few hundred KB) goes back to the OS when freed.  glibc's default threshold rises to the size of the largest block freed, after
-    which such temporaries are carved from the heap and stay resident until the end of the load
+    matrices are a few hundred KB) goes back to the OS when freed.  glibc's default threshold
+    rises to the size of the largest block freed, after which such temporaries are carved from the heap and stay resident until the end of the load
     (on the loader threads' arenas too), raising the peak by several of them."""
     libc = _glibc()
     if libc is not None:

@@ -134,13 +134,12 @@ class WeightSource:
                                    "the file is damaged: re-download or re-convert it")
         return x
 
-    def prefetch(self, layouts: dict | None = None, groups: list | None = None) -> None:
+    def prefetch(self, groups: list | None = None) -> None:
         """Start preparing the model's matrices ahead of `qweight` (GGUF: worker threads).
-        `layouts`: {name: alloc} converts those tensors straight into the buffers `alloc`
-        gives (see `io.gguf.tensor_to_qweight`) instead of converting, then copying.
-        `groups`: [(names, alloc)]: each group's tensors (one block type and width) into one
-        buffer of all their rows, `alloc(part, total_rows)`; `qweight` then gives row views
-        of it, in order."""
+        `groups`: [(names, alloc)]: each group's tensors (one block type and width, one tensor
+        or several) converted straight into one buffer of all their rows that
+        `alloc(part, total_rows)` gives (see `io.gguf.tensor_to_qweight`), instead of
+        converting, then copying; `qweight` then gives row views of it, in order."""
 
     def release_pages(self) -> None:
         """Drop the pages of the file this process mapped while loading (a no-op by default)."""
@@ -178,17 +177,13 @@ class GGUFSource(WeightSource):
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._pool = None
         self._futures: dict = {}
-        self._allocs: dict = {}
         self._groups: dict = {}
 
-    def prefetch(self, layouts: dict | None = None, groups: list | None = None,
-                 workers: int | None = None) -> None:
+    def prefetch(self, groups: list | None = None, workers: int | None = None) -> None:
         """Convert every matrix of the file on worker threads (numpy and torch release the GIL
         in the conversions), so `qweight` finds most of them done."""
         if self._pool is not None:
             return
-        self._allocs = {gname: alloc for name, alloc in (layouts or {}).items()
-                        if (gname := hf_to_gguf_name(self.family, name)) is not None}
         self._groups = {}
         for names, alloc in groups or []:
             ts = [self._find(n) for n in names]
@@ -243,7 +238,7 @@ class GGUFSource(WeightSource):
     def _convert(self, t):
         """The tensor in our format; the file's pages of it leave this process's memory (our
         formats are copies, so the file and the copy are not both resident)."""
-        w = gguf_io.tensor_to_qweight(t, alloc=self._allocs.get(t.name))
+        w = gguf_io.tensor_to_qweight(t)
         t.release()
         return w
 

@@ -67,8 +67,8 @@ def prefetch(src: WeightSource) -> None:
     def records(part: QWeight, rows: int) -> QWeight | None:
         return cpu.empty_records_like(part, rows) if cpu.interleave_pays(part) else None
 
-    groups = FUSED.get(src.config.family, lambda c: [])(src.config)
-    src.prefetch(layouts={head_name(src): records}, groups=[(g, records) for g in groups])
+    groups = [[head_name(src)]] + FUSED.get(src.config.family, lambda c: [])(src.config)
+    src.prefetch(groups=[(g, records) for g in groups])
 
 
 def interleave_head(model: CausalLM) -> None:
