@@ -431,3 +431,20 @@ def test_trailing_unit_dims_are_the_same_tensor(edit, tiny_files):
     padded, plain = build_model(open_source(edit("llama", pad))), build_model(open_source(tiny_files["llama"]))
     x = torch.tensor([[1, 2, 3]])
     assert torch.equal(padded(x, padded.new_cache(8)), plain(x, plain.new_cache(8)))
+
+
+def test_progress_counts_every_tensor_read(tiny_files, tmp_path):
+    """Load progress (`WeightSource.on_read`) advances once per tensor the builder reads, every
+    tensor of the file is read at least once, and `load(progress=True)` leaves no hook behind."""
+    import sparseinfer
+
+    path = tiny_files["llama"]
+    src = open_source(path)
+    reads = []
+    src.on_read = lambda: reads.append(1)
+    with torch.inference_mode():
+        build_model(src)
+    assert len(reads) >= src.n_tensors() == len(open_reader(path).tensors)
+    with_tokenizer = write_spec(add_tokenizer(read_spec(path)), tmp_path / "tok.gguf")
+    llm = sparseinfer.load(with_tokenizer, threads=1, progress=True)
+    assert llm.source.on_read is None
