@@ -61,10 +61,31 @@ def test_a_row_does_not_depend_on_its_neighbours(tmp_path, qtype):
         assert torch.equal(swapped[0], together[3]) and torch.equal(swapped[1], together[0])
 
 
+@pytest.mark.skipif(not cpu.matmul_equals_gemv(), reason="multi-row products differ from one-row ones at this level")
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "F16")])
+def test_batched_rows_equal_the_one_token_path_bitwise(tmp_path, kind, qtype):
+    """The batched C steps (`decode_layers` with B caches) give each row exactly what the
+    one-token step gives that sequence alone: `serve --parallel N` and `--parallel 1` decode
+    the same tokens."""
+    model = _model(tmp_path, kind, qtype)
+    with torch.inference_mode():
+        batched = _prefilled(model, PROMPTS, "f16")
+        alone = _prefilled(model, PROMPTS, "f16")
+        toks = [30, 31, 32, 33]
+        for _ in range(3):
+            got = model.decode_batch(toks, batched)
+            for b, (t, c) in enumerate(zip(toks, alone)):
+                assert torch.equal(got[b], model(torch.tensor([[t]]), c)[0, -1]), b
+            toks = [int(t) for t in got.argmax(-1)]
+
+
 def test_decode_batch_checks_its_arguments(tmp_path):
     model = _model(tmp_path)
     with pytest.raises(ValueError, match="one cache per token"):
         model.decode_batch([1, 2], [model.new_cache(8)])
+    c = model.new_cache(8)
+    with pytest.raises(ValueError, match="a different cache for every row"):
+        model.decode_batch([1, 2], [c, c])
     full = model.new_cache(2)
     with torch.inference_mode():
         model(torch.tensor([[3, 4]]), full)

@@ -180,7 +180,8 @@ def test_gemv_out_and_empty_weight():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_matmul_matches_gemv_bitwise(level, fmt):
     """Each row of matmul is computed exactly like gemv of that token."""
-    for i, (n, k, m) in enumerate([(13, 33, 2), (37, 100, 5), (64, 256, 9), (9, 1000, 17)]):
+    # m = 2, 3, 5, 8: the few-token walk (FEW_TOKENS), 9 and 17 the many-token one
+    for i, (n, k, m) in enumerate([(13, 33, 2), (50, 96, 3), (37, 100, 5), (41, 64, 8), (64, 256, 9), (9, 1000, 17)]):
         w = make_weight(fmt, n, k, seed=i)
         xs = rand(m, k, seed=200 + i)
         y = cpu.matmul(w, xs)

@@ -135,6 +135,11 @@ typedef struct {
     size_t (*tiles_bytes)(int64_t nb);
 } kernels_t;
 
+/* Products of up to this many tokens (batched decode: one token of each of a few sequences)
+ * are memory-bound like one token's: the dot kernels walk their rows as for one token (4
+ * row streams per core, see walk_init) and the weights are read once for all the tokens. */
+#define FEW_TOKENS 8
+
 /* de of one token from its block scales d (layout as described above) */
 void si_fill_de(int layout, int64_t nb, const float *d, float *de);
 

@@ -32,20 +32,14 @@ static void rope(float *v, int64_t nh, int64_t D, int64_t n_rot, const float *co
     }
 }
 
-void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
-                    void *kc, void *vc, int64_t kstride, int64_t vstride, int64_t pos) {
-    const int64_t n = p->n, H = p->H, Hk = p->Hk, D = p->D;
-    const int fused = p->k.fmt < 0;
+/* One token's q/k/v outputs y (nt floats, rotated in place) -> its attention output att (H*D
+ * floats): biases, rotary, the new k/v written to the cache (converted, quantized, once),
+ * then attention over the cache up to and including it. */
+static void attend_row(const si_attn_plan_t *p, float *y, float *att, const float *cos, const float *sin,
+                       const si_kv_ref_t *kv) {
+    const int64_t H = p->H, Hk = p->Hk, D = p->D;
     const int64_t nq = H * D, nkv = Hk * D, nt = nq + 2 * nkv;
-    float *xn = si_scratch(6, (size_t)(up16(n) * 2 + up16(nt) + up16(nq)) * sizeof(float));
-    if (!xn) abort();
-    float *y = xn + up16(n), *att = y + up16(nt), *ob = att + up16(nq);
-    si_rms_norm(x, p->norm_w, xn, 1, n, p->eps);
-    si_gemv(&p->q, xn, y);
-    if (!fused) {
-        si_gemv(&p->k, xn, y + nq);
-        si_gemv(&p->v, xn, y + nq + nkv);
-    }
+    const int fused = p->k.fmt < 0;
     if (p->bq)
         for (int64_t i = 0; i < (fused ? nt : nq); i++) y[i] += p->bq[i];
     if (p->bk)
@@ -55,40 +49,94 @@ void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const fl
     if (p->n_rot > 0) rope(y, H + Hk, D, p->n_rot, cos, sin);
     const int type = (int)p->kv_type;
     const int64_t rb = si_kv_row_bytes(type, D);
-    for (int64_t h = 0; h < Hk; h++) { /* converted (quantized) once, as it is written */
-        si_kv_store(type, y + nq + h * D, (char *)kc + h * kstride + pos * rb, D);
-        si_kv_store(type, y + nq + nkv + h * D, (char *)vc + h * vstride + pos * rb, D);
+    for (int64_t h = 0; h < Hk; h++) {
+        si_kv_store(type, y + nq + h * D, (char *)kv->k + h * kv->kstride + kv->pos * rb, D);
+        si_kv_store(type, y + nq + nkv + h * D, (char *)kv->v + h * kv->vstride + kv->pos * rb, D);
     }
-    si_attend1(type, y, kc, vc, att, H, Hk, D, pos + 1, kstride, vstride, p->scale);
-    si_gemv(&p->o, att, ob);
-    if (p->bo)
-        for (int64_t i = 0; i < n; i++) ob[i] += p->bo[i];
-    for (int64_t i = 0; i < n; i++) xo[i] = x[i] + ob[i];
+    si_attend1(type, y, kv->k, kv->v, att, H, Hk, D, kv->pos + 1, kv->kstride, kv->vstride, p->scale);
+}
+
+void si_decode_attn_rows(const si_attn_plan_t *p, int64_t B, const float *x, float *xo, const float *cos,
+                         const float *sin, const si_kv_ref_t *kv) {
+    const int64_t n = p->n, H = p->H, Hk = p->Hk, D = p->D;
+    const int64_t nq = H * D, nkv = Hk * D, nt = nq + 2 * nkv;
+    /* rows back to back (the products read token t at t * cols): xn, y, att, ob */
+    float *xn = si_scratch(6, (size_t)(B * (2 * n + nt + nq) + 64) * sizeof(float));
+    if (!xn) abort();
+    float *y = xn + B * n, *att = y + B * nt, *ob = att + B * nq;
+    si_rms_norm(x, p->norm_w, xn, B, n, p->eps);
+    si_matmul_ld(&p->q, xn, B, y, nt);
+    if (p->k.fmt >= 0) {
+        si_matmul_ld(&p->k, xn, B, y + nq, nt);
+        si_matmul_ld(&p->v, xn, B, y + nq + nkv, nt);
+    }
+    for (int64_t b = 0; b < B; b++)
+        attend_row(p, y + b * nt, att + b * nq, cos ? cos + b * p->n_rot : NULL, sin ? sin + b * p->n_rot : NULL,
+                   kv + b);
+    si_matmul_ld(&p->o, att, B, ob, n);
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * n, *obb = ob + b * n;
+        float *xob = xo + b * n;
+        for (int64_t i = 0; i < n; i++) xob[i] = xb[i] + (p->bo ? obb[i] + p->bo[i] : obb[i]);
+    }
+}
+
+void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
+                    void *kc, void *vc, int64_t kstride, int64_t vstride, int64_t pos) {
+    const si_kv_ref_t kv = {kc, vc, kstride, vstride, pos};
+    si_decode_attn_rows(p, 1, x, xo, cos, sin, &kv);
 }
 
 static int has(const qmat_t *w) { return w->fmt >= 0; }
 
-/* y = down(act(first(xn) + b1) * (second(xn) + b2)) (plain FFN: down(act(first(xn) + b1)))
- * with every neuron: the dense MLP; `gu` has room for 2F floats */
-static void dense_ffn(const si_ffn_plan_t *p, const float *xn, float *gu, float *y) {
+/* One token's hidden activations of the dense MLP from its first (gate) outputs g and second
+ * (up) outputs u (F each; u unused by a plain FFN): h = act(g + b1) * (u + b2); g is
+ * overwritten with act(g + b1). */
+static void hidden_row(const si_ffn_plan_t *p, float *g, const float *u, float *h) {
     const int64_t F = p->F;
-    const int gated = has(&p->second);
-    if (p->flags & FFN_GATE_UP) si_gemv(&p->gate_up, xn, gu);
-    else {
-        si_gemv(&p->first, xn, gu);
-        if (gated) si_gemv(&p->second, xn, gu + F);
-    }
     if (p->first_bias)
-        for (int64_t i = 0; i < F; i++) gu[i] += p->first_bias[i];
-    si_act(p->act, gu, F);
-    if (gated)
-        for (int64_t i = 0; i < F; i++) {
-            float u = gu[F + i];
-            if (p->second_bias) u += p->second_bias[i];
-            if (p->relu_up && !(u > 0.0f)) u = 0.0f;
-            gu[i] *= u;
+        for (int64_t i = 0; i < F; i++) g[i] += p->first_bias[i];
+    si_act(p->act, g, F);
+    if (!has(&p->second)) {
+        memcpy(h, g, (size_t)F * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < F; i++) {
+        float v = u[i];
+        if (p->second_bias) v += p->second_bias[i];
+        if (p->relu_up && !(v > 0.0f)) v = 0.0f;
+        h[i] = g[i] * v;
+    }
+}
+
+void si_decode_ffn_rows(si_ffn_plan_t *p, int64_t B, const float *x, float *xo) {
+    const int64_t n = p->n, F = p->F;
+    if (p->kind != FFN_DENSE) { /* each row its own candidate neurons */
+        for (int64_t b = 0; b < B; b++) si_decode_ffn(p, x + b * n, xo + b * n, NULL, -1);
+        return;
+    }
+    /* rows back to back: xn, gate and up outputs (2F per row), hidden h, y */
+    float *xn = si_scratch(6, (size_t)(B * (2 * n + 3 * F) + 64) * sizeof(float));
+    if (!xn) abort();
+    float *gu = xn + B * n, *h = gu + 2 * B * F, *y = h + B * F;
+    if (p->norm_w) si_rms_norm(x, p->norm_w, xn, B, n, p->eps);
+    else memcpy(xn, x, (size_t)(B * n) * sizeof(float));
+    if (p->flags & FFN_GATE_UP) {
+        si_matmul_ld(&p->gate_up, xn, B, gu, 2 * F);
+    } else {
+        si_matmul_ld(&p->first, xn, B, gu, 2 * F);
+        if (has(&p->second)) si_matmul_ld(&p->second, xn, B, gu + F, 2 * F);
+    }
+    for (int64_t b = 0; b < B; b++) hidden_row(p, gu + 2 * b * F, gu + 2 * b * F + F, h + b * F);
+    si_matmul_ld(&p->down, h, B, y, n);
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * n, *yb = y + b * n;
+        float *xob = xo + b * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = p->down_bias ? yb[i] + p->down_bias[i] : yb[i];
+            xob[i] = p->norm_w ? xb[i] + v : v;
         }
-    si_gemv(&p->down, gu, y);
+    }
 }
 
 /* ----------------------------------------------------------------- sparse FFN half-block */
@@ -255,16 +303,19 @@ static void sparse_ffn(si_ffn_plan_t *s, const float *xn, float *y, float *z, co
 }
 
 void si_decode_ffn(si_ffn_plan_t *p, const float *x, float *xo, const int32_t *rows, int64_t n_rows) {
+    if (p->kind == FFN_DENSE) {
+        si_decode_ffn_rows(p, 1, x, xo);
+        return;
+    }
     const int64_t n = p->n, F = p->F, r = has(&p->w1) ? p->w1.rows : 0;
     const int64_t nf = up16(F), ni = up16(r > F ? r : F), fl = (int64_t)sizeof(float);
-    /* xn, y, then the sparse step's z, scores, ids, candidates, kept, a, u, h (dense: gate, up) */
+    /* xn, y, then the sparse step's z, scores, ids, candidates, kept, a, u, h */
     char *base = si_scratch(6, (size_t)((2 * up16(n) + up16(r) + ni + 6 * nf) * fl));
     if (!base) abort();
     float *xn = (float *)base, *y = xn + up16(n), *z = y + up16(n);
     if (p->norm_w) si_rms_norm(x, p->norm_w, xn, 1, n, p->eps);
     else memcpy(xn, x, (size_t)n * sizeof(float));
-    if (p->kind == FFN_DENSE) dense_ffn(p, xn, z, y);
-    else sparse_ffn(p, xn, y, z, rows, n_rows);
+    sparse_ffn(p, xn, y, z, rows, n_rows);
     if (p->down_bias)
         for (int64_t i = 0; i < n; i++) y[i] += p->down_bias[i];
     if (p->norm_w)

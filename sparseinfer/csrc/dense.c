@@ -97,7 +97,8 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
         a.tchunk = up(262144 / (4 * w->cols), 4);
     }
     if (a.tchunk < 4) a.tchunk = 4;
-    if (T == 1) {
+    if (T <= FEW_TOKENS) {
+        /* each tile passes all the tokens over its rows at once: split as for one token */
         a.chunk = row_chunk(n, w->row_bytes);
     } else {
         /* matmul: row chunks small enough to stay in L2 while all tokens pass over them */
@@ -108,7 +109,7 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
         a.chunk = up(c < align ? align : c, align);
     }
     int64_t nchunks = (n + a.chunk - 1) / a.chunk;
-    run(dot_task, &a, nchunks, n * w->row_bytes * (T > 1 ? 64 : 1));
+    run(dot_task, &a, nchunks, n * w->row_bytes * (T > FEW_TOKENS ? 64 : T));
 }
 
 void si_gemv(const qmat_t *w, const float *x, float *y) {
@@ -116,10 +117,12 @@ void si_gemv(const qmat_t *w, const float *x, float *y) {
     si_dots(w, NULL, w->rows, x, 1, o, 0);
 }
 
-void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y) {
-    yout_t o = {Y, 1, w->rows};
+void si_matmul_ld(const qmat_t *w, const float *X, int64_t M, float *Y, int64_t ldy) {
+    yout_t o = {Y, 1, ldy};
     si_dots(w, NULL, w->rows, X, M, o, 0);
 }
+
+void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y) { si_matmul_ld(w, X, M, Y, w->rows); }
 
 /* ------------------------------------------------------------------ dequantize rows
  * out[(r - r0) * cols + j] = W[r][j] in float32 for r in [r0, r1), exactly the reference's

@@ -340,7 +340,7 @@ typedef struct {
     int64_t i0, i1, q;
 } walk_t;
 AI walk_t walk_init(int64_t i0, int64_t i1, int64_t T) {
-    walk_t wk = {i0, i1, T == 1 ? (i1 - i0) / 4 : 0};
+    walk_t wk = {i0, i1, T <= FEW_TOKENS ? (i1 - i0) / 4 : 0};
     return wk;
 }
 AI int64_t walk_tiles(const walk_t *wk) { return wk->q ? wk->q : (wk->i1 - wk->i0) / 4; }
@@ -373,7 +373,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             rn[r] = j + PF_TILES < ntiles ? si_row(rows, walk_pos(&wk, j + PF_TILES, r)) : rr[r];
         }
         for (int64_t t = 0; t < T;) {
-            const int Tn = T - t >= 4 ? 4 : P ? 2 : 1;
+            const int Tn = T - t >= 4 ? 4 : T - t >= 2 ? 2 : 1;
             const qtile_fn fn = tiles[R == 4 ? 0 : 1][Tn == 4 ? 0 : Tn == 2 ? 1 : 2];
             xq_t sub = *xq;
             sub.q += t * xq->q_stride;

@@ -468,6 +468,54 @@ static PyObject *py_decode_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* decode_attn_rows(plan, B, x, xo, cos, sin, refs): B tokens of B sequences through an
+ * attention half-block (cos/sin: B rows of n_rot, 0 without rotary); refs: B rows of five
+ * int64 {k cache, v cache, kcap, vcap, pos}, as decode_attn takes them one by one */
+static PyObject *py_decode_attn_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p, *x, *xo, *cs, *sn, *refs;
+    int64_t B;
+    if (!nargs_ok(na, 7, "decode_attn_rows") || get_ptr(a[0], &p) || get_i64(a[1], &B) || get_ptr(a[2], &x) ||
+        get_ptr(a[3], &xo) || get_ptr(a[4], &cs) || get_ptr(a[5], &sn) || get_ptr(a[6], &refs))
+        return NULL;
+    const si_attn_plan_t *plan = p;
+    if (!p || !x || !xo || !refs || (plan->n_rot && (!cs || !sn)))
+        return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (B < 1 || B > 4096) return PyErr_Format(PyExc_ValueError, "decode_attn_rows: %lld rows", (long long)B);
+    si_kv_ref_t *kv = malloc((size_t)B * sizeof(si_kv_ref_t));
+    if (!kv) return PyErr_NoMemory();
+    const int64_t rb = si_kv_row_bytes((int)plan->kv_type, plan->D), *r = refs;
+    for (int64_t b = 0; b < B; b++, r += 5) {
+        const int64_t pos = r[4];
+        if (!r[0] || !r[1] || pos < 0 || r[2] < pos + 1 || r[3] < pos + 1) {
+            free(kv);
+            return PyErr_Format(PyExc_ValueError, "decode_attn_rows: row %lld: position %lld outside its cache",
+                                (long long)b, (long long)pos);
+        }
+        kv[b] = (si_kv_ref_t){(void *)(intptr_t)r[0], (void *)(intptr_t)r[1], r[2] * rb, r[3] * rb, pos};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    si_decode_attn_rows(plan, B, x, xo, cs, sn, kv);
+    Py_END_ALLOW_THREADS
+    free(kv);
+    Py_RETURN_NONE;
+}
+
+/* decode_ffn_rows(plan, B, x, xo): B tokens through an FFN on its checked plan (predicted or
+ * all rows) */
+static PyObject *py_decode_ffn_rows(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p, *x, *xo;
+    int64_t B;
+    if (!nargs_ok(na, 4, "decode_ffn_rows") || get_ptr(a[0], &p) || get_i64(a[1], &B) || get_ptr(a[2], &x) ||
+        get_ptr(a[3], &xo))
+        return NULL;
+    if (!p || !x || !xo) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    if (B < 1 || B > 4096) return PyErr_Format(PyExc_ValueError, "decode_ffn_rows: %lld rows", (long long)B);
+    Py_BEGIN_ALLOW_THREADS
+    si_decode_ffn_rows(p, B, x, xo);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* plan_layout() -> {struct: (size, {field: offset})}: what decode_plan.py checks its ctypes
  * mirrors against at import */
 #define FIELD(T, f) if (add_field(d, #f, offsetof(T, f))) goto fail;
@@ -574,6 +622,9 @@ static PyMethodDef methods[] = {
     {"check_ffn_plan", py_check_ffn_plan, METH_O, "check_ffn_plan(plan): validate and complete an FFN decode plan"},
     {"decode_attn", (PyCFunction)(void (*)(void))py_decode_attn, METH_FASTCALL, "decode_attn(plan, x, xo, cos, sin, kc, vc, kcap, vcap, pos)"},
     {"decode_ffn", (PyCFunction)(void (*)(void))py_decode_ffn, METH_FASTCALL, "decode_ffn(plan, x, xo, rows, n_rows)"},
+    {"decode_attn_rows", (PyCFunction)(void (*)(void))py_decode_attn_rows, METH_FASTCALL,
+     "decode_attn_rows(plan, B, x, xo, cos, sin, refs)"},
+    {"decode_ffn_rows", (PyCFunction)(void (*)(void))py_decode_ffn_rows, METH_FASTCALL, "decode_ffn_rows(plan, B, x, xo)"},
     {"plan_layout", py_plan_layout, METH_NOARGS, "plan_layout(): sizes and field offsets of the plan structs"},
     {"repack_q4_k", (PyCFunction)(void (*)(void))py_repack_q4_k, METH_FASTCALL, "repack_q4_k(src, nsuper, qs, d, m)"},
     {"repack_q6_k", (PyCFunction)(void (*)(void))py_repack_q6_k, METH_FASTCALL, "repack_q6_k(src, nsuper, qs, d)"},

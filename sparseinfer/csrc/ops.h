@@ -18,6 +18,8 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
 void si_act(int act, float *v, int64_t n);
 void si_gemv(const qmat_t *w, const float *x, float *y);
 void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y);
+/* the same, token t's outputs at Y + t * ldy (ldy >= w->rows) */
+void si_matmul_ld(const qmat_t *w, const float *X, int64_t M, float *Y, int64_t ldy);
 void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y);
 void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y);
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,
@@ -108,6 +110,21 @@ const char *si_check_ffn_plan(si_ffn_plan_t *p);
  * strides in bytes); x and xo may alias */
 void si_decode_attn(const si_attn_plan_t *p, const float *x, float *xo, const float *cos, const float *sin,
                     void *kc, void *vc, int64_t kstride, int64_t vstride, int64_t pos);
+/* where one sequence's k/v go and what it attends over: KV head h's row `pos` at
+ * k + h*kstride + pos*si_kv_row_bytes (strides in bytes), as si_decode_attn takes them */
+typedef struct {
+    void *k, *v;
+    int64_t kstride, vstride, pos;
+} si_kv_ref_t;
+/* si_decode_attn for B tokens of B sequences at once (batched decode): row b of x / xo (n
+ * floats each) is a token at kv[b].pos with its cos/sin rows at cos + b*n_rot; each product
+ * reads its weight once for all the rows; every row's result equals si_decode_attn's where a
+ * matmul row equals the gemv (the kernels' determinism contract) */
+void si_decode_attn_rows(const si_attn_plan_t *p, int64_t B, const float *x, float *xo, const float *cos,
+                         const float *sin, const si_kv_ref_t *kv);
+/* si_decode_ffn (predicted or all rows) for B tokens at once: dense plans as one product per
+ * weight over all the rows; sparse plans row by row */
+void si_decode_ffn_rows(si_ffn_plan_t *p, int64_t B, const float *x, float *xo);
 /* xo = x + ffn(rms_norm(x)) (norm_w set) or ffn(x); rows/n_rows: given candidate rows (sparse;
  * NULL: predicted, or all); x and xo may alias */
 void si_decode_ffn(si_ffn_plan_t *p, const float *x, float *xo, const int32_t *rows, int64_t n_rows);

@@ -171,6 +171,28 @@ class AttnStep(_NoCopy):
                              k_cache.shape[-2], v_cache.shape[-2], pos)
 
 
+    def run_rows(self, x: torch.Tensor, xo: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                 caches: list, kv_code: int = 0) -> None:
+        """`run` for B tokens of B sequences at once (batched decode): row b of x / xo (B, n)
+        float32, contiguous, may alias) at position caches[b][2] with cos/sin row b (B rows of
+        n_rot), its k/v written to caches[b] = (k_cache, v_cache, pos); each projection reads
+        its weight once for all the rows."""
+        B = x.shape[0]
+        if x.shape != (B, self.n) or xo.shape != x.shape or not x.is_contiguous() or not xo.is_contiguous():
+            raise ValueError(f"run_rows takes (B, {self.n}) contiguous rows, got {tuple(x.shape)} -> {tuple(xo.shape)}")
+        if len(caches) != B:
+            raise ValueError(f"run_rows: {B} rows but {len(caches)} caches")
+        if self.n_rot and (cos is None or cos.numel() != B * self.n_rot or sin.numel() != B * self.n_rot):
+            raise ValueError(f"run_rows needs {B} cos/sin rows of {self.n_rot}")
+        addr = self._addrs[kv_code] if 0 <= kv_code < len(self._addrs) else None
+        if addr is None:
+            addr = self._plan_for(kv_code)
+        refs = torch.tensor([[k.data_ptr(), v.data_ptr(), k.shape[-2], v.shape[-2], pos] for k, v, pos in caches],
+                            dtype=torch.int64)
+        cpu._cpu.decode_attn_rows(addr, B, x.data_ptr(), xo.data_ptr(), 0 if cos is None else cos.data_ptr(),
+                                  0 if sin is None else sin.data_ptr(), refs.data_ptr())
+
+
 class BlockSteps(_NoCopy):
     """A block's steps for one token: `attn`, then `ffn` (None where the FFN runs as a module)."""
 
@@ -206,6 +228,18 @@ class FFNStep(_NoCopy):
             cpu._cpu.decode_ffn(self.addr, x.data_ptr(), xo.data_ptr(), 0, -1)
         else:
             cpu._cpu.decode_ffn(self.addr, x.data_ptr(), xo.data_ptr(), rows.data_ptr(), rows.numel())
+
+    def run_rows(self, x: torch.Tensor, xo: torch.Tensor) -> None:
+        """`run` (predicted or all rows) for B tokens at once: x, xo (B, n) float32, contiguous,
+        may alias; a dense plan reads each weight once for all the rows."""
+        B = x.shape[0]
+        if x.shape != (B, self.n) or xo.shape != x.shape or not x.is_contiguous() or not xo.is_contiguous():
+            raise ValueError(f"run_rows takes (B, {self.n}) contiguous rows, got {tuple(x.shape)} -> {tuple(xo.shape)}")
+        if self.forced_rows is not None:
+            for b in range(B):
+                self.run(x[b], xo[b])
+            return
+        cpu._cpu.decode_ffn_rows(self.addr, B, x.data_ptr(), xo.data_ptr())
 
 
 def _ffn_plan(kind: int, act: str, relu_up: bool, n: int, F: int, norm_w, eps: float, keep: list) -> FFNPlan:

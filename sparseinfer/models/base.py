@@ -89,7 +89,7 @@ class CausalLM(Module):
     def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
         """One decode step of B sequences at once: token b appended to `caches[b]` (each its own
         length) -> next-token logits (B, vocab).  Every product runs once over the B rows (the
-        weights are read once per step); rotary and attention go row by row.  A row's logits do
+        weights are read once per step); rotary and attention go row by row (`decode_layers`).  A row's logits do
         not depend on the other rows where `kernels.cpu.matmul_equals_gemv()` (docs/kernels.md,
         Determinism); they equal the one-token path (`forward`) within the accuracy contract."""
         if len(tokens) != len(caches) or not tokens:
@@ -102,35 +102,47 @@ class CausalLM(Module):
         x = self.embed(ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions.to(self.device))
-        for i, layer in enumerate(self.layers):
-            dev = self.layer_device(i)
-            x = layer(x.to(dev), positions.to(dev), [c.layers[i] for c in caches])
+        if len({id(c) for c in caches}) != B:
+            raise ValueError("decode_batch needs a different cache for every row")
+        x = self.decode_layers(x, positions, caches)
         return self.head(self.norm(x))[:, 0]
 
-    def decode_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token of one sequence, x (1, 1, n), through every layer: a layer whose block has
-        C decode steps (`Block.steps`: its plan, built once) runs them on one float32 buffer in
-        place, any other runs its torch modules (the reference; accelerators, other norms)."""
+    def decode_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | list[KVCache]) -> torch.Tensor:
+        """One token of one sequence, x (1, 1, n), through every layer; or one token of each of
+        B sequences, x (B, 1, n) at positions (B, 1), `cache` their B caches (`decode_batch`).
+        A layer whose block has C decode steps (`Block.steps`: its plan, built once) runs them
+        on one float32 buffer in place (B rows: each product over all the rows at once), any
+        other runs its torch modules (the reference; accelerators, other norms)."""
+        rows = isinstance(cache, list)
+        caches = cache if rows else [cache]
+        B = len(caches)
         buf = None
         for i, layer in enumerate(self.layers):
-            kv = cache.layers[i]
-            steps = layer.steps() if hasattr(layer, "steps") and kv.on_cpu else None
+            kvs = [c.layers[i] for c in caches]
+            on_cpu = all(kv.on_cpu for kv in kvs) and len({kv.kv_code for kv in kvs}) == 1
+            steps = layer.steps() if hasattr(layer, "steps") and on_cpu else None
             if steps is None:
                 if buf is not None:
-                    x, buf = buf.view(1, 1, -1), None
-                x = layer(x.to(self.layer_device(i)), positions, kv)
+                    x, buf = buf.view(B, 1, -1), None
+                dev = self.layer_device(i)
+                x = layer(x.to(dev), positions.to(dev), kvs if rows else kvs[0])
                 continue
             if buf is None:
-                buf = x.reshape(-1).to("cpu", torch.float32).clone()
+                buf = x.reshape(B, -1).to("cpu", torch.float32).clone()
             attn, ffn = steps.attn, steps.ffn
-            if buf.numel() != attn.n or (ffn is not None and ffn.n != attn.n):
-                raise ValueError(f"layer {i} is {attn.n} wide, its input {buf.numel()}: the model file is inconsistent")
-            layer.attn.run_step(attn, buf, positions, kv)
-            if ffn is not None:
-                ffn.run(buf, buf)
-            else:  # an FFN without a C step (e.g. split across devices): its module
-                buf += layer.mlp(layer.ffn_norm(buf.view(1, 1, -1))).view(-1).to(buf.device)
-        return x if buf is None else buf.view(1, 1, -1)
+            if buf.shape[1] != attn.n or (ffn is not None and ffn.n != attn.n):
+                raise ValueError(f"layer {i} is {attn.n} wide, its input {buf.shape[1]}: the model file is inconsistent")
+            if rows:
+                layer.attn.run_step_rows(attn, buf, positions, kvs)
+            else:
+                layer.attn.run_step(attn, buf.view(-1), positions, kvs[0])
+            if ffn is None:  # an FFN without a C step (e.g. split across devices): its module
+                buf += layer.mlp(layer.ffn_norm(buf.view(B, 1, -1))).view(B, -1).to(buf.device)
+            elif rows:
+                ffn.run_rows(buf, buf)
+            else:
+                ffn.run(buf.view(-1), buf.view(-1))
+        return x if buf is None else buf.view(B, 1, -1)
 
     def layer_device(self, i: int) -> torch.device:
         """Where layer i's residual stream lives (an accelerator-placed model overrides this)."""

@@ -341,6 +341,18 @@ class Attention(Module):
         step.run(x, x, cos, sin, kc, vc, slot, cache.kv_code)
         cache.advance()
 
+    def run_step_rows(self, step: decode_plan.AttnStep, x: torch.Tensor, positions: torch.Tensor,
+                      caches: list[LayerKV]) -> None:
+        """`run_step` for one token of each of B sequences: x (B, n) in place, row b at
+        positions[b] appended to caches[b] (all on the CPU, one cache type)."""
+        cos = sin = None
+        if step.n_rot:
+            cos, sin = self.rotary._cos_sin(positions, x.device)
+        slots = [kv.slot(step.n_kv_heads, step.d_head) for kv in caches]
+        step.run_rows(x, x, cos, sin, slots, caches[0].kv_code)
+        for kv in caches:
+            kv.advance()
+
     def _forward_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
         """One token per row, each row over its own cache (ragged lengths): the projections are
         one product over all rows (each weight read once), rotary and attention go row by row.
