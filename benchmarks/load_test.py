@@ -8,6 +8,9 @@
     python benchmarks/load_test.py --spawn "-m smollm2 --parallel 4" --streams 1,4 --repeat 2 --duration 20
     # time to first token of a long chat's first and second turn (prompt reuse)
     python benchmarks/load_test.py --spawn "-m smollm2 --parallel 4" --turns 1000
+    # the same load on llama-cpp-python's server (pip install 'llama-cpp-python[server]'), same file
+    python benchmarks/load_test.py --llama-cpp ~/.cache/sparseinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --threads 2 --streams 1,4 --repeat 2 --duration 20
 
 Loopback only. Bounded: no new request starts after --duration seconds, each request is capped
 by --max-tokens and a timeout, then it stops by itself. Reports requests/s, generated tokens/s,
@@ -66,8 +69,10 @@ class Run:
     rss_kb: list[tuple[float, int]] = field(default_factory=list)
 
 
-def check_stream(payloads: list[str]) -> tuple[int, str | None]:
-    """(completion tokens from the usage chunk, None) or (0, what is wrong with the stream)."""
+def check_stream(payloads: list[str], lenient: bool = False) -> tuple[int, str | None]:
+    """(completion tokens from the usage chunk, None) or (0, what is wrong with the stream).
+    lenient (another server, e.g. llama-cpp-python's, which sends no usage chunk): without one,
+    the content chunks are counted as tokens."""
     if not payloads or payloads[-1] != "[DONE]":
         return 0, "no [DONE] at the end"
     try:
@@ -82,6 +87,8 @@ def check_stream(payloads: list[str]) -> tuple[int, str | None]:
     if not finishes or finishes[-1] not in ("stop", "length") or any(finishes[:-1]):
         return 0, f"finish_reason sequence {finishes[-3:]}"
     usage = chunks[-1].get("usage")
+    if lenient and not usage:
+        return sum(bool(c["choices"][0].get("delta", {}).get("content")) for c in chunks if c.get("choices")), None
     if chunks[-1].get("choices") or not usage:
         return 0, "no usage chunk at the end"
     return int(usage["completion_tokens"]), None
@@ -108,7 +115,7 @@ async def one_request(client: httpx.AsyncClient, args, rng: random.Random, messa
                     res.malformed = f"non-data line {line[:80]!r}"
                     continue
                 payloads.append(line[6:])
-                if '"content":"' in line and '"content":""' not in line:
+                if _has_content(line[6:]):
                     now = time.perf_counter()
                     if res.ttft is None:
                         res.ttft = now - t0
@@ -119,13 +126,23 @@ async def one_request(client: httpx.AsyncClient, args, rng: random.Random, messa
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.total = time.perf_counter() - t0
-    res.tokens, problem = check_stream(payloads)
+    res.tokens, problem = check_stream(payloads, lenient=args.llama_cpp is not None)
     if problem is None:
         res.text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, payloads[:-1])
                            if c.get("choices"))
     res.malformed = res.malformed or problem
     res.ok = res.malformed is None
     return res
+
+
+def _has_content(payload: str) -> bool:
+    """A chunk that carries generated text (any JSON spacing)."""
+    if '"content"' not in payload:
+        return False
+    try:
+        return any(c.get("delta", {}).get("content") for c in json.loads(payload).get("choices", []))
+    except (json.JSONDecodeError, AttributeError):
+        return False
 
 
 async def client_loop(i: int, client: httpx.AsyncClient, args, deadline: float, run: Run) -> None:
@@ -268,6 +285,28 @@ def spawn_server(spec: str, url: str) -> subprocess.Popen:
     raise SystemExit("the server did not come up in 300 s")
 
 
+def spawn_llama_cpp(path: str, url: str, threads: int, ctx: int) -> subprocess.Popen:
+    """llama-cpp-python's OpenAI server on the same model file, for a side-by-side run (it
+    serves one request at a time)."""
+    u = urlparse(url)
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--n_threads", str(threads),
+           "--n_threads_batch", str(threads), "--n_ctx", str(ctx), "--host", u.hostname, "--port", str(u.port)]
+    print("starting:", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama_cpp.server exited with {proc.returncode} (pip install 'llama-cpp-python[server]')")
+        try:
+            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("llama_cpp.server did not come up in 300 s")
+
+
 def loopback_only(url: str) -> None:
     host = urlparse(url).hostname or ""
     try:
@@ -291,6 +330,10 @@ def main() -> int:
     ap.add_argument("--api-key", default=os.environ.get("SPARSEINFER_API_KEY"))
     ap.add_argument("--server-pid", type=int, default=None, help="watch this process's RSS")
     ap.add_argument("--spawn", default=None, help="start `python -m sparseinfer.server SPAWN` for the run")
+    ap.add_argument("--llama-cpp", default=None, metavar="GGUF",
+                    help="start llama-cpp-python's server on this model file for the run instead")
+    ap.add_argument("--threads", type=int, default=2, help="with --llama-cpp: its threads")
+    ap.add_argument("--ctx-size", type=int, default=4096, help="with --llama-cpp: its context size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the summary here too")
     ap.add_argument("--streams", default=None, metavar="N,M",
@@ -301,7 +344,12 @@ def main() -> int:
                          "and of its second turn")
     args = ap.parse_args()
     loopback_only(args.url)
-    proc = spawn_server(args.spawn, args.url) if args.spawn else None
+    if args.spawn and args.llama_cpp:
+        raise SystemExit("give --spawn or --llama-cpp, not both")
+    if args.llama_cpp:
+        proc = spawn_llama_cpp(args.llama_cpp, args.url, args.threads, args.ctx_size)
+    else:
+        proc = spawn_server(args.spawn, args.url) if args.spawn else None
     pid = proc.pid if proc else args.server_pid
     try:
         if args.streams:

@@ -72,8 +72,9 @@ def test_greedy_output_is_the_same_alone_and_batched(llm):
         together = [toks for toks, _ in run(engine, [greedy(llm, p) for p in PROMPTS])[0]]
         assert together == alone
         assert max(engine.metrics.batch_rows) == 4
-        # and the C one-token path (--parallel 1) agrees with the Python API's output
+        # and the C one-token path (a sequence alone, --parallel 1) agrees with the Python API's output
         ref = [[r.token for r in llm.stream_generate(p, max_tokens=12, temp=0) if r.token is not None] for p in PROMPTS]
+        assert alone == ref
     finally:
         engine.stop()
     single = Engine(llm, parallel=1, cache_ram=0).start()

@@ -7,10 +7,10 @@ Handlers call `submit(params, sink)`. The worker runs steps; each step
 2. prefills prompts in chunks of `prefill_chunk` tokens, at most that many tokens per step over
    all sequences, so a long prompt does not stall the others (a prompt's chunks always start at
    multiples of `prefill_chunk` from where its prefill starts, whatever runs beside it),
-3. decodes every sequence that has a token to feed, together: with `parallel` > 1 in one
-   batched step (`CausalLM.decode_batch`: the weights are read once per step for all rows, and
-   a row's numbers do not depend on the others), with `parallel` = 1 through the one-token path
-   (the fused C step, and the activation-sparse FFN of a sparsity pack).
+3. decodes every sequence that has a token to feed, together: two or more in one batched step
+   (`CausalLM.decode_batch`: the weights are read once per step for all rows, and a row's
+   numbers do not depend on the others), one alone through the one-token path (the same C
+   steps, and the activation-sparse FFN of a sparsity pack with its predictor).
 
 Every `GenerationResponse` of a sequence, and finally an exception if it fails, goes to its
 `sink` (called on the worker thread; the HTTP layer hands it to its event loop). Each sequence
@@ -327,7 +327,7 @@ class Engine:
 
     def _decode(self, rows: list[Sequence]) -> torch.Tensor:
         model = self.llm.model
-        if self.parallel == 1:  # the one-token path: fused C steps, activation sparsity
+        if len(rows) == 1:  # the one-token path: fused C steps, the activation-sparse FFN's predictor
             s = rows[0]
             return model(torch.tensor([[s.pending]]), s.cache)[:, -1]
         return model.decode_batch([s.pending for s in rows], [s.cache for s in rows])
