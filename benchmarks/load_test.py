@@ -237,7 +237,8 @@ def scaling(args, pid: int | None) -> dict:
     return {"streams": {str(n): {"tokens_per_s_runs": [r["tokens_per_s"] for r in runs[n]],
                                  "tokens_per_s_median": med[n],
                                  "inter_token_p50_s": [r["inter_token_s"]["p50"] for r in runs[n]],
-                                 "failed": sum(r["failed"] + r["malformed_streams"] for r in runs[n])}
+                                 "failed": sum(r["failed"] + r["malformed_streams"] for r in runs[n]),
+                                 "first_errors": [e for r in runs[n] for e in r.get("first_errors", [])][:3]}
                         for n in counts},
             "speedup_over_first": {str(n): round(med[n] / med[counts[0]], 2) for n in counts}}
 
@@ -290,7 +291,8 @@ def spawn_llama_cpp(path: str, url: str, threads: int, ctx: int) -> subprocess.P
     serves one request at a time)."""
     u = urlparse(url)
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--n_threads", str(threads),
-           "--n_threads_batch", str(threads), "--n_ctx", str(ctx), "--host", u.hostname, "--port", str(u.port)]
+           "--n_threads_batch", str(threads), "--n_ctx", str(ctx), "--host", u.hostname, "--port", str(u.port),
+           "--interrupt_requests", "False"]  # its default cuts a running stream off when the next request comes
     print("starting:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300

@@ -41,7 +41,11 @@ def make_sampler(temp: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: f
             probs = probs.scatter(0, si[drop], 0.0)
         if min_p > 0.0:
             probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        # an inverse-CDF draw (torch.multinomial is about ten times slower on a whole vocabulary);
+        # a token of probability 0 is never drawn: its cumulative sum equals its predecessor's
+        c = torch.cumsum(probs, 0, dtype=torch.float64)
+        u = torch.rand((), generator=gen, dtype=torch.float64) * c[-1]
+        return int(torch.searchsorted(c, u, right=True).clamp_(max=probs.numel() - 1))
 
     return sample
 
