@@ -109,7 +109,7 @@ async def one_request(client: httpx.AsyncClient, args, rng: random.Random, messa
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
             async for line in r.aiter_lines():
-                if not line:
+                if not line or line.startswith(":"):  # blank, or an SSE comment (keep-alive pings)
                     continue
                 if not line.startswith("data: "):
                     res.malformed = f"non-data line {line[:80]!r}"

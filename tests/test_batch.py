@@ -79,6 +79,30 @@ def test_batched_rows_equal_the_one_token_path_bitwise(tmp_path, kind, qtype):
             toks = [int(t) for t in got.argmax(-1)]
 
 
+@pytest.mark.skipif(not cpu.matmul_equals_gemv(), reason="multi-row products differ from one-row ones at this level")
+def test_batched_rows_with_a_sparse_ffn_equal_the_one_token_path(tmp_path):
+    """With an activation-sparse FFN each row of a batched step runs the FFN's one-token sparse
+    step (its own active neurons): the rows still equal each sequence decoded alone."""
+    from sparseinfer.sparse.ffn import SparseFFN
+    from sparseinfer.sparse.apply import ffn_slots
+
+    model = _model(tmp_path, "llama", "Q8_0")
+    g = torch.Generator().manual_seed(0)
+    for parent, name in ffn_slots(model):
+        mlp = getattr(parent, name)
+        setattr(parent, name, SparseFFN(mlp, 0.05, torch.randperm(mlp.n_neurons, generator=g)))
+    with torch.inference_mode():
+        batched = _prefilled(model, PROMPTS, "f16")
+        alone = _prefilled(model, PROMPTS, "f16")
+        toks = [30, 31, 32, 33]
+        for _ in range(3):
+            got = model.decode_batch(toks, batched)
+            for b, (t, c) in enumerate(zip(toks, alone)):
+                assert torch.equal(got[b], model(torch.tensor([[t]]), c)[0, -1]), b
+            toks = [int(t) for t in got.argmax(-1)]
+    assert all(getattr(p, n).step(p.ffn_norm).stats.tokens > 0 for p, n in ffn_slots(model))
+
+
 def test_decode_batch_checks_its_arguments(tmp_path):
     model = _model(tmp_path)
     with pytest.raises(ValueError, match="one cache per token"):
