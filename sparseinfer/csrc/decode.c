@@ -1,4 +1,6 @@
-/* One token through a pre-norm transformer half-block: the steps a decode plan runs.
+/* One token through a pre-norm transformer half-block: the steps a decode plan runs; and the
+ * same for one token of each of B sequences at once (batched decode: every product over all
+ * the rows, so each weight is read once per step).
  *
  * Why: in Python each block costs a few dozen small torch operations per token (norm, bias,
  * rotary, cache writes, residual adds, activation, row choice), and the weight streaming in
