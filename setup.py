@@ -2,8 +2,8 @@
 
 One extension, plain C11 + pthreads, no torch at build time.  The SIMD files pick their
 instruction sets with `#pragma GCC target`, and the library chooses AVX-512 (VNNI) / AVX2 /
-scalar at run time, so the compile flags stay generic and the .so runs on any x86-64 CPU
-(other architectures get the scalar kernels).  If the compiler is missing or fails, the
+scalar (x86-64) or NEON with or without SDOT (AArch64) at run time, so the compile flags stay
+generic and the .so runs on any CPU of its architecture (others get the scalar kernels).  If the compiler is missing or fails, the
 install still succeeds (`optional=True`) and `sparseinfer.kernels.cpu` falls back to the
 reference kernels with a warning.
 
@@ -30,6 +30,8 @@ SOURCES = [
     "sparseinfer/csrc/kern_avx512.c",
     "sparseinfer/csrc/kern_avx512vnni.c",
     "sparseinfer/csrc/kern_amx.c",
+    "sparseinfer/csrc/kern_neon.c",
+    "sparseinfer/csrc/kern_neon_dotprod.c",
     "sparseinfer/csrc/repack.c",
 ]
 
@@ -48,7 +50,8 @@ setup(
             sources=SOURCES,
             depends=["sparseinfer/csrc/common.h", "sparseinfer/csrc/ops.h", "sparseinfer/csrc/ops_internal.h",
                      "sparseinfer/csrc/pool.h",
-                     "sparseinfer/csrc/kern_avx512_impl.h", "sparseinfer/csrc/attend_impl.h"],
+                     "sparseinfer/csrc/kern_avx512_impl.h", "sparseinfer/csrc/attend_impl.h",
+                     "sparseinfer/csrc/kern_neon_impl.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=not SANITIZE,

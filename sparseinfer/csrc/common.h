@@ -34,12 +34,18 @@
 #include <string.h>
 #include <math.h>
 
-/* x86 SIMD kernels and run-time dispatch; elsewhere (or with -DSI_FORCE_SCALAR, used to test
- * that build on x86) only the scalar kernels exist. */
+/* x86 SIMD kernels and run-time dispatch; on AArch64 the NEON ones; elsewhere (or with
+ * -DSI_FORCE_SCALAR, used to test that build) only the scalar kernels exist. */
 #if (defined(__x86_64__) || defined(__i386__)) && !defined(SI_FORCE_SCALAR)
 #define SI_X86 1
 #else
 #define SI_X86 0
+#endif
+/* AArch64 (NEON, and SDOT where the CPU has the dotprod feature); the same switch */
+#if defined(__aarch64__) && !defined(SI_FORCE_SCALAR)
+#define SI_ARM 1
+#else
+#define SI_ARM 0
 #endif
 
 enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_COUNT = 6 };
@@ -165,6 +171,15 @@ void si_kv_store_avx2(int type, const float *x, void *row, int64_t D); /* F16C; 
 #endif
 
 extern const kernels_t si_kernels_scalar;
+/* the scalar level's activation quantizer and KV cache writer (kern_scalar.c), which levels
+ * without their own use as they are */
+void si_quantize_portable(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq);
+void si_kv_store_portable(int type, const float *x, void *row, int64_t D);
+#if SI_ARM
+extern const kernels_t si_kernels_neon;
+extern const kernels_t si_kernels_neon_dotprod;
+int si_arm_dotprod(void); /* the CPU has SDOT (runtime.c) */
+#endif
 #if SI_X86
 extern const kernels_t si_kernels_avx2;
 extern const kernels_t si_kernels_avx512;

@@ -1,5 +1,6 @@
-/* Portable scalar kernels: the fallback on CPUs without AVX2 (and on non-x86), and the
- * definition of the activation quantizer that the SIMD versions reproduce bit for bit. */
+/* Portable scalar kernels: the fallback on CPUs without AVX2 or NEON, and the definition of
+ * the activation quantizer that the SIMD versions reproduce bit for bit (the NEON levels call
+ * it, and the KV cache writer, as they are). */
 #include <math.h>
 #include "common.h"
 
@@ -34,7 +35,7 @@ void si_fill_de(int layout, int64_t nb, const float *d, float *de) {
     }
 }
 
-static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+void si_quantize_portable(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
     int64_t nb = kp / 32;
     for (int64_t t = t0; t < t1; t++) {
         const float *xt = x + t * K;
@@ -141,11 +142,12 @@ static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
 }
 
 /* One cache row (common.h, KV_*), the portable conversions that the SIMD levels reproduce. */
-static void kv_store(int type, const float *x, void *row, int64_t D) {
+void si_kv_store_portable(int type, const float *x, void *row, int64_t D) {
     if (type == KV_F32) memcpy(row, x, (size_t)D * sizeof(float));
     else if (type == KV_F16)
         for (int64_t i = 0; i < D; i++) ((uint16_t *)row)[i] = si_f2h(x[i]);
     else si_q8_0_row(x, D, row);
 }
 
-const kernels_t si_kernels_scalar = {"scalar", quantize, dot_q, dot_f, axpy, read_sum, si_act_each, 1, NULL, 0, kv_store};
+const kernels_t si_kernels_scalar = {"scalar", si_quantize_portable, dot_q, dot_f, axpy, read_sum, si_act_each, 1, NULL, 0,
+                                     si_kv_store_portable};

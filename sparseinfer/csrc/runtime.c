@@ -8,6 +8,11 @@
 
 #include <stdlib.h>
 #include <string.h>
+#if SI_ARM && defined(__linux__)
+#include <sys/auxv.h>
+#elif SI_ARM && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 
 /* ------------------------------------------------------------------ kernel selection */
 
@@ -15,7 +20,24 @@ const char *const si_level_names[] = {
 #if SI_X86
     "avx512amx", "avx512vnni", "avx512", "avx2",
 #endif
+#if SI_ARM
+    "neon_dotprod", "neon",
+#endif
     "scalar", NULL};
+
+#if SI_ARM
+int si_arm_dotprod(void) {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & (1UL << 20)) != 0; /* HWCAP_ASIMDDP */
+#elif defined(__APPLE__)
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &n, NULL, 0) == 0 && v;
+#else
+    return 0;
+#endif
+}
+#endif
 
 static const kernels_t *table_of(const char *name) {
 #if SI_X86
@@ -23,6 +45,10 @@ static const kernels_t *table_of(const char *name) {
     if (!strcmp(name, "avx512vnni")) return &si_kernels_avx512vnni;
     if (!strcmp(name, "avx512")) return &si_kernels_avx512;
     if (!strcmp(name, "avx2")) return &si_kernels_avx2;
+#endif
+#if SI_ARM
+    if (!strcmp(name, "neon_dotprod")) return &si_kernels_neon_dotprod;
+    if (!strcmp(name, "neon")) return &si_kernels_neon;
 #endif
     if (!strcmp(name, "scalar")) return &si_kernels_scalar;
     return NULL;
@@ -38,6 +64,10 @@ int si_level_supported(const char *name) {
     if (!strcmp(name, "avx512vnni")) return avx512 && __builtin_cpu_supports("avx512vnni");
     if (!strcmp(name, "avx512")) return avx512;
     if (!strcmp(name, "avx2")) return avx2;
+#endif
+#if SI_ARM
+    if (!strcmp(name, "neon_dotprod")) return si_arm_dotprod();
+    if (!strcmp(name, "neon")) return 1; /* NEON (Advanced SIMD) is part of every AArch64 CPU */
 #endif
     return !strcmp(name, "scalar");
 }

@@ -643,7 +643,8 @@ def activation_mode() -> str:
 
 
 def simd_level() -> str:
-    """'avx512amx', 'avx512vnni', 'avx512', 'avx2', 'scalar' (compiled kernels) or 'reference'
+    """'avx512amx', 'avx512vnni', 'avx512', 'avx2' (x86-64), 'neon_dotprod', 'neon' (AArch64),
+    'scalar' (compiled kernels) or 'reference'
     (fallback).  The best level the CPU (and, for AMX, the OS) supports is the default;
     $SPARSEINFER_SIMD picks another at start-up."""
     return _cpu.simd_level() if _cpu is not None else "reference"
