@@ -1,6 +1,6 @@
 /* Single-token attention of N (<= SI_ATT_MAXG) query heads sharing one KV head, written once
- * for a vector width and a KV cache type; included by kern_avx2.c (8 floats) and kern_avx512.c
- * (16 floats) once per type, with AT_KV set to 0 (KV_F32), 1 (KV_F16) or 2 (KV_Q8_0); they
+ * for a vector width and a KV cache type; included by kern_avx2.c (8 floats), kern_avx512.c
+ * (16 floats) and kern_neon.c (4 floats) once per type, with AT_KV set to 0 (KV_F32), 1 (KV_F16) or 2 (KV_Q8_0); they
  * define before including it:
  *   AT_V, AT_W              vector type and floats per vector
  *   AT_LOAD(p), AT_STORE(p, v), AT_ZERO(), AT_SET1(x), AT_FMA(a, b, c), AT_SUM(v)
@@ -8,6 +8,7 @@
  *   AT_LOAD_Q8(blk, j)      values j..j+AT_W-1 of the Q8_0 block at blk, dequantized
  *   AT_PAIR_MAX             largest N whose paired accumulators (2N) fit in the registers
  *   AT_NAME                 the exported functions' prefix (AT_NAME_f32, _f16, _q8_0)
+ *   AT_SOFTMAX(sc, n, L)    optional: the rows' softmax in place (default si_softmax_rows_avx2)
  * N is a compile-time constant per dispatch case, so the per-head accumulators live in
  * registers: with a run-time N they lived on the stack and every FMA waited on a
  * store-to-load round trip, several times slower than this.
@@ -19,6 +20,9 @@
  * never straddles two Q8_0 blocks).  K and V rows are converted to floats as they are
  * loaded: the arithmetic is the f32 kernel's on the dequantized values. */
 
+#ifndef AT_SOFTMAX
+#define AT_SOFTMAX si_softmax_rows_avx2
+#endif
 #define AT_CAT2(a, b) a##_##b
 #define AT_CAT(a, b) AT_CAT2(a, b)
 #if AT_KV == 0
@@ -65,7 +69,7 @@ AT_CAT(attend_n, AT_SFX)(const float *q, const char *K, const char *V, float *sc
         }
         for (int j = 0; j < N; j++) sc[j * L + l] = AT_SUM(acc[j]) * scale;
     }
-    si_softmax_rows_avx2(sc, N, L);
+    AT_SOFTMAX(sc, N, L);
     for (int64_t lb = 0; lb < L; lb += ATT_LB) {
         const int64_t le = lb + ATT_LB < L ? lb + ATT_LB : L;
         int64_t i = 0;

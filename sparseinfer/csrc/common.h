@@ -179,6 +179,7 @@ void si_kv_store_portable(int type, const float *x, void *row, int64_t D);
 extern const kernels_t si_kernels_neon;
 extern const kernels_t si_kernels_neon_dotprod;
 int si_arm_dotprod(void); /* the CPU has SDOT (runtime.c) */
+extern const struct si_attend_fns si_attend_neon; /* 4-float vectors (kern_neon.c); D a multiple of 4 */
 #endif
 #if SI_X86
 extern const kernels_t si_kernels_avx2;

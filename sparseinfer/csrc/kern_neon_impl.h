@@ -6,8 +6,9 @@
  * the scalar level's order (kern_scalar.c), so dot_q and axpy equal the scalar kernels bit for
  * bit; a row of a many-token product is computed exactly as the one-token product computes it.
  * Float weights (dot_f) sum in four lanes: within the accuracy contract of the scalar sum.
- * The activation quantizer, the KV cache writer and the activations are the portable ones;
- * attention takes norm_attn.c's portable version. */
+ * Attention (attend_impl.h, 4-float vectors) agrees with the portable version within the
+ * contract.  The activation quantizer, the KV cache writer and the activations are the
+ * portable ones. */
 #include <arm_neon.h>
 #include "common.h"
 
@@ -190,6 +191,47 @@ static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
     return s;
 }
 
+#if !SI_DOTPROD
+/* si_attend_neon: attend_impl.h with 4-float vectors for each KV cache type (both NEON
+ * levels use it; SDOT plays no part) */
+static void softmax_rows(float *sc, int n, int64_t L) {
+    for (int j = 0; j < n; j++) {
+        float *s = sc + j * L, mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < L; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = 0; t < L; t++) sum += (s[t] = expf(s[t] - mx));
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < L; t++) s[t] *= inv;
+    }
+}
+AI float32x4_t q8_load4(const uint8_t *blk, int64_t j) {
+    uint16_t d;
+    memcpy(&d, blk, 2);
+    const int16x8_t q = vmovl_s8(vld1_s8((const int8_t *)blk + 2 + j)); /* 8 loaded, 4 used */
+    return vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(q))), si_h2f(d));
+}
+#define AT_V float32x4_t
+#define AT_W 4
+#define AT_LOAD(p) vld1q_f32(p)
+#define AT_LOAD_F16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))
+#define AT_LOAD_Q8(blk, j) q8_load4(blk, j)
+#define AT_STORE(p, v) vst1q_f32(p, v)
+#define AT_ZERO() vdupq_n_f32(0.0f)
+#define AT_SET1(x) vdupq_n_f32(x)
+#define AT_FMA(a, b, c) vfmaq_f32(c, a, b)
+#define AT_SUM(v) vaddvq_f32(v)
+#define AT_PAIR_MAX SI_ATT_MAXG
+#define AT_NAME si_attend_heads_neon
+#define AT_SOFTMAX softmax_rows
+#define AT_KV 0
+#include "attend_impl.h"
+#define AT_KV 1
+#include "attend_impl.h"
+#define AT_KV 2
+#include "attend_impl.h"
+const struct si_attend_fns si_attend_neon = {{si_attend_heads_neon_f32, si_attend_heads_neon_f16,
+                                              si_attend_heads_neon_q8_0}};
+#endif
+
 const kernels_t NEON_NAME(si_kernels_neon) = {
     SI_DOTPROD ? "neon_dotprod" : "neon", si_quantize_portable, dot_q, dot_f, axpy, read_sum, si_act_each, 1,
-    NULL, 0, si_kv_store_portable};
+    &si_attend_neon, 4, si_kv_store_portable};

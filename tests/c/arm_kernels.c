@@ -10,7 +10,8 @@
  * formats and every axpy bit for bit (the NEON kernels form each block's terms as the scalar
  * ones do), float-format products within the accuracy contract (1e-5 of sum |w x|).  Within a
  * level, each matmul row must equal the gemv of its token bit for bit, and results must not
- * depend on the thread count.  Exit status 0 when everything holds. */
+ * depend on the thread count.  Single-token attention agrees with the portable version on
+ * every KV cache type.  Exit status 0 when everything holds. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -130,6 +131,36 @@ static void alloc_outs(outs_t *o, int64_t rows, int64_t cols) {
 
 static void free_outs(outs_t *o) { free(o->gemv), free(o->mm), free(o->rows), free(o->axpy); }
 
+/* single-token attention of the level against the scalar level's (portable) one, every KV
+ * cache type: outputs are weighted means of values in [-1, 1], compared to 1e-5 */
+static void check_attention(const char *level) {
+    const int64_t H = 6, Hk = 2, L = 37;
+    const int64_t Ds[] = {64, 36};
+    for (int di = 0; di < 2; di++)
+        for (int type = 0; type < KV_COUNT; type++) {
+            const int64_t D = Ds[di], rb = si_kv_row_bytes(type, D);
+            float *q = malloc((size_t)(H * D) * sizeof(float)), *row = malloc((size_t)D * sizeof(float));
+            float *o_ref = malloc((size_t)(H * D) * sizeof(float)), *o = malloc((size_t)(H * D) * sizeof(float));
+            char *K = malloc((size_t)(Hk * L * rb)), *V = malloc((size_t)(Hk * L * rb));
+            for (int64_t i = 0; i < H * D; i++) q[i] = frand();
+            for (int64_t h = 0; h < Hk; h++)
+                for (int64_t l = 0; l < L; l++) {
+                    for (int64_t i = 0; i < D; i++) row[i] = frand();
+                    si_kv_store(type, row, K + h * L * rb + l * rb, D);
+                    for (int64_t i = 0; i < D; i++) row[i] = frand();
+                    si_kv_store(type, row, V + h * L * rb + l * rb, D);
+                }
+            si_select("scalar");
+            si_attend1(type, q, K, V, o_ref, H, Hk, D, L, L * rb, L * rb, 0.125f);
+            si_select(level);
+            si_attend1(type, q, K, V, o, H, Hk, D, L, L * rb, L * rb, 0.125f);
+            double err = 0;
+            for (int64_t i = 0; i < H * D; i++) err = fmax(err, fabs((double)o[i] - (double)o_ref[i]));
+            expect(err <= 1e-5, "attention agrees with the portable one", level, type == 0 ? "f32" : type == 1 ? "f16" : "q8_0", H, D, 0, 2);
+            free(q), free(row), free(o_ref), free(o), free(K), free(V);
+        }
+}
+
 int main(int argc, char **argv) {
     const int expect_dotprod = argc > 1 ? atoi(argv[1]) : -1;
     const char *levels[] = {"neon_dotprod", "neon"};
@@ -147,6 +178,8 @@ int main(int argc, char **argv) {
         const char *level = levels[li];
         if (!si_level_supported(level)) continue;
         tested++;
+        si_pool_set_threads(2);
+        check_attention(level);
         for (size_t fi = 0; fi < sizeof FORMATS / sizeof FORMATS[0]; fi++)
             for (size_t si = 0; si < sizeof SHAPES / sizeof SHAPES[0]; si++) {
                 const fmt_t *f = &FORMATS[fi];
