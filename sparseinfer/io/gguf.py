@@ -16,6 +16,10 @@ import numpy as np
 from ..errors import ModelFormatError
 
 GGUF_MAGIC = b"GGUF"
+# PowerInfer's variant (its converters write a GGUF file, then overwrite the magic): the same
+# container, read the same way; `GGUFFile.powerinfer` tells them apart (see io/powerinfer.py)
+POWERINFER_MAGIC = b"PWRI"
+MAGICS = (GGUF_MAGIC, POWERINFER_MAGIC)
 
 
 # Why a parser of our own: gguf.GGUFReader builds a numpy view per key and per vocabulary entry,
@@ -156,8 +160,10 @@ class GGUFFile:
         buf = memoryview(self._mm)
         self._buf, self._pos, self._end = buf, 0, len(buf)
         self._where, self._values = "the header", 0
-        if bytes(buf[:4]) != GGUF_MAGIC:
+        magic = bytes(buf[:4])
+        if magic not in MAGICS:
             raise ModelFormatError(f"{path}: not a GGUF file")
+        self.powerinfer = magic == POWERINFER_MAGIC  # PowerInfer's variant
         self._pos = 4
         self.version = self._scalar(4)
         if self.version not in (2, 3):
@@ -354,9 +360,9 @@ def open_reader(path: str | os.PathLike) -> GGUFFile:
         raise ModelFormatError(f"{path}: no such model file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != GGUF_MAGIC:
+    if magic not in MAGICS:
         raise ModelFormatError(
-            f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF'); "
+            f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF', or b'PWRI' for PowerInfer's files); "
             "pass a .gguf file or a Hugging Face model folder"
         )
     try:

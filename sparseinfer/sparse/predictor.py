@@ -150,8 +150,11 @@ def q8_bytes(rows: int, cols: int) -> int:
     return rows * kp + rows * (kp // 32) * 2
 
 
-def predictor_bytes(d: int, r: int, n: int) -> int:
-    return q8_bytes(r, d) + q8_bytes(n, r) + 4 * (r + 2 * n)
+def predictor_bytes(d: int, r: int, n: int, fmt: str = "q8") -> int:
+    """Bytes of a runtime predictor (W1, W2^T, b1, the cut) with weights in `fmt`."""
+    if fmt == "q8":
+        return q8_bytes(r, d) + q8_bytes(n, r) + 4 * (r + 2 * n)
+    return (r * d + n * r) * (4 if fmt == "f32" else 2) + 4 * (r + 2 * n)
 
 
 # ---------------------------------------------------------------------------- training
