@@ -182,12 +182,18 @@ def test_hybrid_placement_puts_hot_neurons_on_the_device(tokens):
 
     llm = load("llama-relu")
     want = run(llm.model, tokens, 1)
-    c = cost_model(llm.model, CTX, "cpu")
-    rest = c.head + sum(lc.core + lc.predictor + lc.neuron * lc.n_neurons + c.ffn_overhead for lc in c.layers)
-    hm, p = place_model(llm.model, "cpu", c.scratch + int(0.6 * rest), CTX, NeuronStats.from_pack(llm.sparsity),
-                        group_size=16, use_cache=False)
+    c = cost_model(llm.model, CTX, "cpu", cache_type="f32")
+    # everything but the FFN neurons, and half of those
+    budget = (c.scratch + c.head + sum(lc.core + lc.predictor + c.ffn_overhead for lc in c.layers)
+              + sum(lc.neuron * lc.n_neurons for lc in c.layers) // 2)
+    hm, p = place_model(llm.model, "cpu", budget, CTX, NeuronStats.from_pack(llm.sparsity), group_size=16,
+                        use_cache=False, cache_type="f32")
     assert p.mode == "neurons" and 0 < sum(p.n_hot) < sum(p.n_neurons)
     torch.testing.assert_close(run(hm, tokens, 1), want, atol=1e-4, rtol=1e-4)
+    for i, k in enumerate(p.n_hot):  # the device part (a prefix in hotness order): the most counted neurons
+        counts = torch.load(FIXTURES / "llama-relu" / "activation" / f"activation_{i}.pt", weights_only=True)
+        order = llm.sparsity.layers[i].order
+        assert k == 0 or k == len(order) or counts[order[:k]].min() >= counts[order[k:]].max()
 
 
 # ---------------------------------------------------------------------------- commands and errors

@@ -146,6 +146,18 @@ class GGUFTensor:
         return raw.reshape(rows, -1)
 
 
+def _powerinfer_types() -> dict:
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return {16: T.I8, 17: T.I16, 18: T.I32}
+
+
+# PowerInfer's ggml (older than the gguf package's table) numbers the integer types 16, 17, 18,
+# ids that later ggml gave to IQ2_XXS, IQ2_XS, IQ3_XXS; it has no type above 18
+_POWERINFER_TYPES = _powerinfer_types()
+
+
 class GGUFFile:
     """A parsed GGUF file: `metadata` (dict of Python values) and `tensors` (list of GGUFTensor).
 
@@ -303,7 +315,10 @@ class GGUFFile:
         if n_elements > MAX_ELEMENTS:
             self._fail(f"tensor {name!r} has shape {shape}, whose {n_elements:,} elements overflow a 64-bit count")
         try:
-            qtype = gguf.GGMLQuantizationType(qt)
+            if self.powerinfer and qt >= 16:  # PowerInfer's ggml numbers types up to 18 only
+                qtype = _POWERINFER_TYPES[qt]
+            else:
+                qtype = gguf.GGMLQuantizationType(qt)
             block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             self._fail(f"tensor {name!r} has unknown GGML type id {qt}",

@@ -45,7 +45,8 @@ class LayerPack:
     stats: dict = field(default_factory=dict)
     policy: str = "predictor"  # decode: "predictor" rows, or "first": dense first projection + threshold
     # the predictor's weight format at run time: "q8" (trained predictors), or a float format
-    # that keeps a PowerInfer file's predictor values (`sparse.powerinfer`)
+    # that keeps a PowerInfer file's predictor values (`sparse.powerinfer`): W2 in it, W1 (the
+    # file's divided by the norm weight) in f32
     predictor_format: str = "q8"
 
     @property
@@ -60,7 +61,8 @@ class LayerPack:
         from .predictor import QPredictor
 
         s = self.predictor_state
-        return QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], self.tau, fmt=self.predictor_format)
+        return QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], self.tau, fmt=self.predictor_format,
+                          w1_fmt=None if self.predictor_format == "q8" else "f32")
 
     @property
     def predictor_nbytes(self) -> int:
