@@ -32,10 +32,11 @@ def model_file(kind: str) -> Path:
     return FIXTURES / kind / "model.powerinfer.gguf"
 
 
-def hf_reference(kind: str, masks: bool = False):
+def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None):
     """transformers' model on the fixture's weights (float32).  bamboo: up also through ReLU.
     masks: each FFN's hidden activations multiplied per token by PowerInfer's predicted mask,
-    fc2 · relu(fc1 · x) > 0 with x the FFN's residual input (before its norm)."""
+    fc2 · relu(fc1 · x) > 0 with x the FFN's residual input (before its norm).  dequantized: a
+    quantized copy of the fixture, whose dequantized weights and predictors replace them."""
     import transformers as tf
     from safetensors.torch import load_file
 
@@ -50,9 +51,17 @@ def hf_reference(kind: str, masks: bool = False):
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     model.float().eval()
+    if dequantized is not None:
+        src = open_source(dequantized)
+        with torch.no_grad():
+            for name, t in model.state_dict().items():
+                if src.has(name):
+                    t.copy_(src.tensor(name).view_as(t))
     if kind.startswith("falcon"):
         return model
     preds = {k: v.float() for k, v in load_file(str(FIXTURES / kind / "predictors.safetensors")).items()}
+    if dequantized is not None:
+        preds = {k: src.file_tensor(k.replace("layer.", "blk.")) for k in preds}
     for i, layer in enumerate(model.model.layers):
         mlp, seen = layer.mlp, {}
         layer.post_attention_layernorm.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
@@ -269,3 +278,63 @@ def test_a_prepared_pack_wins(tmp_path):
     llm2 = sparseinfer.load(folder / "model.powerinfer.gguf")
     assert llm2.sparsity.path == folder / "model.powerinfer.gguf.sparse"
     assert isinstance(sparse_ffns(llm2.model)[0], SparseFFN)
+
+
+def _quantized_copy(tmp_path: Path, kind: str) -> Path:
+    """The fixture as PowerInfer's quantizer lays out a Q4_0 file: every 2-D weight whose rows
+    split into 32-blocks in Q4_0 (predictors included), the rest as they were; PWRI magic."""
+    import gguf
+    import numpy as np
+
+    from sparseinfer.io import gguf as gguf_io
+
+    r = gguf_io.open_reader(model_file(kind))
+    out = tmp_path / "model.powerinfer.gguf"
+    w = gguf.GGUFWriter(str(out), r.metadata["general.architecture"])
+    for k, v in r.metadata.items():
+        if k == "general.architecture":
+            continue
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        else:
+            w.add_array(k, v)
+    for t in r.tensors:
+        a = gguf_io.tensor_to_float(t).numpy()
+        if a.ndim == 2 and a.shape[1] % 32 == 0:
+            q = gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+            w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        else:  # F16 or F32, as they were
+            w.add_tensor(t.name, np.asarray(t.data).reshape(a.shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(out, "r+b") as f:
+        f.write(b"PWRI")
+    return out
+
+
+def test_q4_0_file(tmp_path, tokens):
+    """A Q4_0 file: the dense model is transformers' on the dequantized weights (the transposed
+    down re-quantized to 8 bits: close, not equal); with its predictors (8-bit here) it decodes
+    as the masked reference on those weights (here no score lies near enough to 0 to flip)."""
+    path = _quantized_copy(tmp_path, "llama-relu")
+    src = open_source(path)
+    assert src.file_tensor_info("blk.0.ffn_down_t.weight").tensor_type.name == "Q4_0"
+    assert src.qweight("model.layers.0.mlp.down_proj.weight").fmt == "q8"
+    want = hf_logits(hf_reference("llama-relu", dequantized=path), tokens)
+    llm = sparseinfer.load(path, dense=True, act_mode="precise", cache_type="f32")
+    torch.testing.assert_close(run(llm.model, tokens, 5), want, atol=0.05, rtol=0.05)
+    llm = sparseinfer.load(path, act_mode="precise", cache_type="f32")
+    assert llm.sparsity.layers[0].predictor_format == "q8"
+    assert all(f.predictor is not None and f.predictor.w1.fmt == "q8" for f in sparse_ffns(llm.model))
+    got = run(llm.model, tokens, 1)
+    masked = hf_logits(hf_reference("llama-relu", masks=True, dequantized=path), tokens)
+    torch.testing.assert_close(got, masked, atol=0.05, rtol=0.05)
+    assert (got - want).abs().max() > 0.2  # the masks matter
