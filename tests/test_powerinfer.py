@@ -338,3 +338,21 @@ def test_q4_0_file(tmp_path, tokens):
     masked = hf_logits(hf_reference("llama-relu", masks=True, dequantized=path), tokens)
     torch.testing.assert_close(got, masked, atol=0.05, rtol=0.05)
     assert (got - want).abs().max() > 0.2  # the masks matter
+
+
+def test_prepare_refines_a_powerinfer_file(tmp_path):
+    """`prepare` profiles and trains on a PowerInfer file like on any model; its pack is then
+    used in place of the file's predictors."""
+    import random
+
+    from sparseinfer.commands import main
+
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama-relu", folder, ignore=shutil.ignore_patterns("hf"))
+    rng = random.Random(0)
+    words = "the then there in inner on one re an and her here".split()
+    (tmp_path / "calib.txt").write_text(" ".join(rng.choice(words) for _ in range(6000)))
+    model = folder / "model.powerinfer.gguf"
+    assert main(["prepare", str(model), "--data", str(tmp_path / "calib.txt"), "--no-eval", "--no-plot", "-t", "1"]) == 0
+    llm = sparseinfer.load(model)
+    assert llm.sparsity.path == folder / "model.powerinfer.gguf.sparse" and llm.sparsity.calibration.get("source") != "PowerInfer file"
