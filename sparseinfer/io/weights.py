@@ -212,8 +212,9 @@ class GGUFSource(WeightSource):
                 if t.name == g.names[0]:
                     fut = self._pool.submit(self._convert_group, g)
                     self._futures.update({n: (fut, i) for i, n in enumerate(g.names)})
-            elif len(t.shape) >= 2 and not _NOT_PREFETCHED.search(t.name):
-                self._futures[t.name] = (self._pool.submit(self._convert, t), None)
+            elif len(t.shape) >= 2 and not (self.powerinfer and _NOT_PREFETCHED.search(t.name)):
+                convert = self._convert_transposed if self.powerinfer and _TRANSPOSED.search(t.name) else self._convert
+                self._futures[t.name] = (self._pool.submit(convert, t), None)
 
     def _groupable(self, names: list[str], ts: list) -> bool:
         """Whether tensors `ts` can share one buffer: present, one block type and width, no
@@ -251,6 +252,12 @@ class GGUFSource(WeightSource):
         t.release()
         return w
 
+    def _convert_transposed(self, t):
+        """`_convert` of a matrix the file stores transposed (`_transposed_qweight`)."""
+        w = _transposed_qweight(t)
+        t.release()
+        return w
+
     def release_pages(self) -> None:
         """Unmap every page of the file this process has read (header, vocabulary, tensors)."""
         gguf_io.release_pages(self.reader._mm)
@@ -275,7 +282,7 @@ class GGUFSource(WeightSource):
 
     def _transposed(self, name: str) -> bool:
         """Whether the file stores this matrix transposed (PowerInfer's down projections)."""
-        return self.powerinfer and (self._gguf_name(name) or "").endswith(".ffn_down_t.weight")
+        return self.powerinfer and bool(_TRANSPOSED.search(self._gguf_name(name) or ""))
 
     def has(self, name: str) -> bool:
         return self._find(name) is not None
@@ -328,9 +335,9 @@ class GGUFSource(WeightSource):
 
     def qweight(self, name: str) -> QWeight:
         t = self._get(name)
-        if self._transposed(name):
-            return self._checked(name, _transposed_qweight(t))
         fut, i = self._futures.pop(t.name, (None, None))
+        if self._transposed(name):
+            return self._checked(name, fut.result() if fut is not None else self._convert_transposed(t))
         if fut is not None:
             w = fut.result() if i is None else fut.result()[i]
         elif t.name in self._groups:  # no workers: the group's conversion, once
@@ -362,9 +369,10 @@ class GGUFSource(WeightSource):
         return _fingerprint(self.path, [(t.name, t.tensor_type.name, tuple(int(s) for s in t.shape)) for t in self.reader.tensors])
 
 
-# File tensors `prefetch` leaves alone: PowerInfer's transposed down projections (converted when
-# asked for, see `_transposed_qweight`) and its predictors (read by the sparsity code).
-_NOT_PREFETCHED = re.compile(r"\.ffn_down_t\.weight$|\.fc[12]\.weight$")
+# PowerInfer's transposed down projections (`_transposed_qweight`), and its predictors, which
+# `prefetch` leaves alone (the sparsity code reads them)
+_TRANSPOSED = re.compile(r"\.ffn_down_t\.weight$")
+_NOT_PREFETCHED = re.compile(r"\.fc[12]\.weight$")
 
 
 def _transposed_qweight(t) -> QWeight:
