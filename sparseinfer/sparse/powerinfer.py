@@ -10,8 +10,9 @@ no `.sparse` pack lies next to it; decode then runs through the usual sparse pat
   A positive scale passes through ReLU and both products, so
   ``fc2 · relu((fc1 / g) · xn) = (fc2 · relu(fc1 · x)) / rms(x)``: the same sign for every
   score.  The pack's predictor is therefore ``w1 = fc1 / g`` (per input column), ``w2 = fc2``
-  with no biases and the cut ``tau`` = the threshold, in the file's float type (q8 when the
-  file's predictors are quantized).  With a threshold of 0 the decisions are PowerInfer's
+  with no biases and the cut ``tau`` = the threshold; w2 in the file's float type, w1 in f32
+  (its values are computed: f16 rounding could move a score near 0 across the cut), both q8
+  when the file's predictors are quantized.  With a threshold of 0 the decisions are PowerInfer's
   (except at a score of exactly 0, which PowerInfer computes and we skip; where the threshold
   is not 0 the division by rms(x) changes the rule, and the cut applies to the scaled score).
   Falcon and OPT predictors read the input of a LayerNorm (mean removed, bias added), which no
