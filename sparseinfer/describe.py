@@ -34,6 +34,10 @@ def describe(model: str | None, check_tensors: bool = False) -> str:
             f"{len(meta.get('tokenizer.ggml.tokens', []))} tokens",
             f"chat template: {'yes' if meta.get('tokenizer.chat_template') else 'no'}",
         ]
+        if src.powerinfer:
+            from .sparse import powerinfer
+
+            lines += powerinfer.describe(src)
     else:
         import json
 

@@ -116,7 +116,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     """Load a GGUF file, a Hugging Face folder or a catalog name (default: SmolLM2-135M-Instruct).
 
     sparse: "auto" uses the sparsity pack next to the model when there is one (`sparseinfer
-    prepare`), a path names a pack, None/`dense=True` keeps the dense model.  density: force the
+    prepare`; for a PowerInfer file without one, its own predictors), a path names a pack, None/`dense=True` keeps the dense model.  density: force the
     FFN active fraction (speed measurements; see `sparseinfer.sparse.ffn`).  device: "cpu"
     (default: the library never takes a GPU unasked; the CLI's default is "auto"), "auto" (CUDA
     when torch sees a GPU) or "cuda[:N]"; vram_budget: GPU memory to use ("4GiB", "512MiB", a

@@ -16,6 +16,10 @@ import numpy as np
 from ..errors import ModelFormatError
 
 GGUF_MAGIC = b"GGUF"
+# PowerInfer's variant (its converters write a GGUF file, then overwrite the magic): the same
+# container, read the same way; `GGUFFile.powerinfer` tells them apart (see io/powerinfer.py)
+POWERINFER_MAGIC = b"PWRI"
+MAGICS = (GGUF_MAGIC, POWERINFER_MAGIC)
 
 
 # Why a parser of our own: gguf.GGUFReader builds a numpy view per key and per vocabulary entry,
@@ -142,6 +146,18 @@ class GGUFTensor:
         return raw.reshape(rows, -1)
 
 
+def _powerinfer_types() -> dict:
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return {16: T.I8, 17: T.I16, 18: T.I32}
+
+
+# PowerInfer's ggml (older than the gguf package's table) numbers the integer types 16, 17, 18,
+# ids that later ggml gave to IQ2_XXS, IQ2_XS, IQ3_XXS; it has no type above 18
+_POWERINFER_TYPES = _powerinfer_types()
+
+
 class GGUFFile:
     """A parsed GGUF file: `metadata` (dict of Python values) and `tensors` (list of GGUFTensor).
 
@@ -156,8 +172,10 @@ class GGUFFile:
         buf = memoryview(self._mm)
         self._buf, self._pos, self._end = buf, 0, len(buf)
         self._where, self._values = "the header", 0
-        if bytes(buf[:4]) != GGUF_MAGIC:
+        magic = bytes(buf[:4])
+        if magic not in MAGICS:
             raise ModelFormatError(f"{path}: not a GGUF file")
+        self.powerinfer = magic == POWERINFER_MAGIC  # PowerInfer's variant
         self._pos = 4
         self.version = self._scalar(4)
         if self.version not in (2, 3):
@@ -297,7 +315,10 @@ class GGUFFile:
         if n_elements > MAX_ELEMENTS:
             self._fail(f"tensor {name!r} has shape {shape}, whose {n_elements:,} elements overflow a 64-bit count")
         try:
-            qtype = gguf.GGMLQuantizationType(qt)
+            if self.powerinfer and qt >= 16:  # PowerInfer's ggml numbers types up to 18 only
+                qtype = _POWERINFER_TYPES[qt]
+            else:
+                qtype = gguf.GGMLQuantizationType(qt)
             block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             self._fail(f"tensor {name!r} has unknown GGML type id {qt}",
@@ -354,9 +375,9 @@ def open_reader(path: str | os.PathLike) -> GGUFFile:
         raise ModelFormatError(f"{path}: no such model file")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != GGUF_MAGIC:
+    if magic not in MAGICS:
         raise ModelFormatError(
-            f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF'); "
+            f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF', or b'PWRI' for PowerInfer's files); "
             "pass a .gguf file or a Hugging Face model folder"
         )
     try:

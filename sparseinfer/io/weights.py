@@ -2,7 +2,8 @@
 
 Model files ask for tensors by their Hugging Face names; the GGUF source translates names in
 one place (`NAME_MAP`) and undoes llama.cpp's converter-side rewrites (the Q/K row permutation
-of `llama` GGUFs).  Matrices come back as `QWeight`s in their stored format.
+of `llama` GGUFs) and PowerInfer's (its transposed down projections: `io.powerinfer`).
+Matrices come back as `QWeight`s in their stored format.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..config import ModelConfig, config_from_gguf
 from ..errors import ModelFormatError
 from ..quant import QWeight, from_float
 from . import gguf as gguf_io
+from . import powerinfer
 
 L = r"(\d+)"
 # (Hugging Face name regex, GGUF name template) per family; `\1` is the layer index.
@@ -35,8 +37,10 @@ NAME_MAP: dict[str, list[tuple[str, str]]] = {
         (r"transformer\.word_embeddings\.weight", "token_embd.weight"),
         (r"transformer\.ln_f\.(weight|bias)", r"output_norm.\1"),
         (r"lm_head\.weight", "output.weight"),
-        (rf"transformer\.h\.{L}\.(?:input_layernorm|ln_attn)\.(weight|bias)", r"blk.\1.attn_norm.\2"),
-        (rf"transformer\.h\.{L}\.ln_mlp\.(weight|bias)", r"blk.\1.attn_norm_2.\2"),
+        # one norm per block (7B): input_layernorm; two (40B/180B): llama.cpp's converter names
+        # ln_mlp (the MLP's norm) attn_norm and ln_attn (the attention's) attn_norm_2
+        (rf"transformer\.h\.{L}\.(?:input_layernorm|ln_mlp)\.(weight|bias)", r"blk.\1.attn_norm.\2"),
+        (rf"transformer\.h\.{L}\.ln_attn\.(weight|bias)", r"blk.\1.attn_norm_2.\2"),
         (rf"transformer\.h\.{L}\.self_attention\.query_key_value\.(weight|bias)", r"blk.\1.attn_qkv.\2"),
         (rf"transformer\.h\.{L}\.self_attention\.dense\.(weight|bias)", r"blk.\1.attn_output.\2"),
         (rf"transformer\.h\.{L}\.mlp\.dense_h_to_4h\.(weight|bias)", r"blk.\1.ffn_up.\2"),
@@ -168,11 +172,16 @@ def _row_slice(w: QWeight, r0: int, r1: int) -> QWeight:
 
 
 class GGUFSource(WeightSource):
+    """A GGUF file, or PowerInfer's variant of one (`powerinfer`: its down projections are
+    stored transposed and given back in the usual layout; its predictors are `file_tensor`s)."""
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.reader = gguf_io.open_reader(self.path)
         self.metadata = gguf_io.read_metadata(self.reader)
-        self.config = _located(self.path, config_from_gguf, self.metadata)
+        self.powerinfer = self.reader.powerinfer
+        meta = powerinfer.config_metadata(self.metadata, self.path) if self.powerinfer else self.metadata
+        self.config = _located(self.path, config_from_gguf, meta)
         self.family = self.config.family
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._pool = None
@@ -203,13 +212,14 @@ class GGUFSource(WeightSource):
                 if t.name == g.names[0]:
                     fut = self._pool.submit(self._convert_group, g)
                     self._futures.update({n: (fut, i) for i, n in enumerate(g.names)})
-            elif len(t.shape) >= 2:
-                self._futures[t.name] = (self._pool.submit(self._convert, t), None)
+            elif len(t.shape) >= 2 and not (self.powerinfer and _NOT_PREFETCHED.search(t.name)):
+                convert = self._convert_transposed if self.powerinfer and _TRANSPOSED.search(t.name) else self._convert
+                self._futures[t.name] = (self._pool.submit(convert, t), None)
 
     def _groupable(self, names: list[str], ts: list) -> bool:
         """Whether tensors `ts` can share one buffer: present, one block type and width, no
         row permutation after conversion (llama-arch q/k)."""
-        if any(t is None for t in ts) or any(self._unpermute(n) for n in names):
+        if any(t is None for t in ts) or any(self._unpermute(n) or self._transposed(n) for n in names):
             return False
         t0 = ts[0]
         return (t0.tensor_type.name in gguf_io.BLOCK_TYPES and all(len(t.shape) == 2 for t in ts)
@@ -242,6 +252,12 @@ class GGUFSource(WeightSource):
         t.release()
         return w
 
+    def _convert_transposed(self, t):
+        """`_convert` of a matrix the file stores transposed (`_transposed_qweight`)."""
+        w = _transposed_qweight(t)
+        t.release()
+        return w
+
     def release_pages(self) -> None:
         """Unmap every page of the file this process has read (header, vocabulary, tensors)."""
         gguf_io.release_pages(self.reader._mm)
@@ -254,18 +270,44 @@ class GGUFSource(WeightSource):
         self._pool.shutdown(wait=True)
         self._pool, self._futures = None, {}
 
-    def _find(self, name: str):
+    def _gguf_name(self, name: str) -> str | None:
         gname = hf_to_gguf_name(self.family, name)
+        if gname is not None and self.powerinfer:
+            gname = gname.replace(".ffn_down.", ".ffn_down_t.")
+        return gname
+
+    def _find(self, name: str):
+        gname = self._gguf_name(name)
         return None if gname is None else self._tensors.get(gname)
+
+    def _transposed(self, name: str) -> bool:
+        """Whether the file stores this matrix transposed (PowerInfer's down projections)."""
+        return self.powerinfer and bool(_TRANSPOSED.search(self._gguf_name(name) or ""))
 
     def has(self, name: str) -> bool:
         return self._find(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return gguf_io.logical_shape(self._get(name))
+        shape = gguf_io.logical_shape(self._get(name))
+        return tuple(reversed(shape)) if self._transposed(name) else shape
 
     def file_name(self, name: str) -> str:
-        return hf_to_gguf_name(self.family, name) or name
+        return self._gguf_name(name) or name
+
+    def file_tensor(self, gguf_name: str) -> torch.Tensor | None:
+        """A tensor by the file's own name (PowerInfer's predictors) as float32, or None when the
+        file has none of that name."""
+        t = self._tensors.get(gguf_name)
+        if t is None:
+            return None
+        if t.tensor_type.name not in gguf_io.SUPPORTED_TYPES:
+            raise gguf_io.UnsupportedTensorType(t.name, t.tensor_type.name)
+        return self._checked(gguf_name, gguf_io.tensor_to_float(t))
+
+    def file_tensor_info(self, gguf_name: str):
+        """A tensor's info (`io.gguf.GGUFTensor`: name, type, ggml shape, bytes) by the file's
+        own name, or None."""
+        return self._tensors.get(gguf_name)
 
     def check_readable(self, name: str) -> None:
         t = self._get(name)
@@ -276,7 +318,7 @@ class GGUFSource(WeightSource):
         t = self._find(name)
         if t is None:
             raise ModelFormatError(
-                f"{self.path}: tensor {hf_to_gguf_name(self.family, name) or name!r} is missing "
+                f"{self.path}: tensor {self._gguf_name(name) or name!r} is missing "
                 f"(needed for {name}); the file is incomplete or not a {self.config.model_type} model"
             )
         return t
@@ -294,6 +336,8 @@ class GGUFSource(WeightSource):
     def qweight(self, name: str) -> QWeight:
         t = self._get(name)
         fut, i = self._futures.pop(t.name, (None, None))
+        if self._transposed(name):
+            return self._checked(name, fut.result() if fut is not None else self._convert_transposed(t))
         if fut is not None:
             w = fut.result() if i is None else fut.result()[i]
         elif t.name in self._groups:  # no workers: the group's conversion, once
@@ -311,6 +355,8 @@ class GGUFSource(WeightSource):
     def tensor(self, name: str) -> torch.Tensor:
         t = self._get(name)
         x = gguf_io.tensor_to_float(t)
+        if self._transposed(name):
+            x = x.T.contiguous()
         heads = self._unpermute(name)
         if heads:
             x = x[llama_qk_unpermute_index(x.shape[0], heads)]
@@ -321,6 +367,19 @@ class GGUFSource(WeightSource):
 
     def fingerprint(self) -> str:
         return _fingerprint(self.path, [(t.name, t.tensor_type.name, tuple(int(s) for s in t.shape)) for t in self.reader.tensors])
+
+
+# PowerInfer's transposed down projections (`_transposed_qweight`), and its predictors, which
+# `prefetch` leaves alone (the sparsity code reads them)
+_TRANSPOSED = re.compile(r"\.ffn_down_t\.weight$")
+_NOT_PREFETCHED = re.compile(r"\.fc[12]\.weight$")
+
+
+def _transposed_qweight(t) -> QWeight:
+    """A matrix stored transposed, in the usual layout: float types exactly (the same type),
+    block types re-quantized to q8 (the file's blocks run along the other axis)."""
+    x = gguf_io.tensor_to_float(t).T.contiguous()
+    return from_float(x, {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(t.tensor_type.name, "q8"))
 
 
 class SafetensorsSource(WeightSource):

@@ -50,7 +50,7 @@ def build(src: WeightSource) -> CausalLM:
     if not c.parallel_attn:
         raise UnsupportedError("Falcon variants without parallel attention are not supported")
     rotary = Rotary(c.n_rot, c.rope_theta, c.max_position_embeddings, c.rope_scaling)
-    two_norms = src.has("transformer.h.0.ln_mlp.weight")
+    two_norms = src.has("transformer.h.0.ln_attn.weight")  # 40B/180B: ln_attn and ln_mlp
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"transformer.h.{i}"
@@ -63,7 +63,7 @@ def build(src: WeightSource) -> CausalLM:
         up, down = f"{p}.mlp.dense_h_to_4h", f"{p}.mlp.dense_4h_to_h"
         mlp = MLP(None, Linear(src.qweight(f"{up}.weight"), src.maybe_tensor(f"{up}.bias")),
                   Linear(src.qweight(f"{down}.weight"), src.maybe_tensor(f"{down}.bias")), c.hidden_act)
-        ln_attn = _ln(src, f"{p}.input_layernorm" if src.has(f"{p}.input_layernorm.weight") else f"{p}.ln_attn", c.layer_norm_eps)
+        ln_attn = _ln(src, f"{p}.ln_attn" if two_norms else f"{p}.input_layernorm", c.layer_norm_eps)
         ln_mlp = _ln(src, f"{p}.ln_mlp", c.layer_norm_eps) if two_norms else None
         layers.append(Block(attn, mlp, ln_attn, ln_mlp))
     embed = Embedding(src.qweight(EMBED))
@@ -77,13 +77,13 @@ def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
     yield EMBED, (v, n), True
     yield from norm_shapes("transformer.ln_f", n)
     yield "lm_head.weight", (v, n), False
-    two_norms = has("transformer.h.0.ln_mlp.weight")
+    two_norms = has("transformer.h.0.ln_attn.weight")
     for i in range(c.num_hidden_layers):
         p = f"transformer.h.{i}"
         yield from linear_shapes(f"{p}.self_attention.query_key_value", (c.num_attention_heads + 2 * c.n_kv_heads) * d, n)
         yield from linear_shapes(f"{p}.self_attention.dense", n, c.num_attention_heads * d)
         yield from linear_shapes(f"{p}.mlp.dense_h_to_4h", f, n)
         yield from linear_shapes(f"{p}.mlp.dense_4h_to_h", n, f)
-        yield from norm_shapes(f"{p}.input_layernorm" if has(f"{p}.input_layernorm.weight") else f"{p}.ln_attn", n)
+        yield from norm_shapes(f"{p}.ln_attn" if two_norms else f"{p}.input_layernorm", n)
         if two_norms:
             yield from norm_shapes(f"{p}.ln_mlp", n)

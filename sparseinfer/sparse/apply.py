@@ -132,7 +132,8 @@ def find_pack(model_path: str | os.PathLike) -> Path | None:
 
 
 def resolve_pack(model_path: str | os.PathLike, sparse, source=None):
-    """`sparse`: None/False (no pack), "auto" (the pack next to the model, if any) or a path.
+    """`sparse`: None/False (no pack), "auto" (the pack next to the model, if any; else, for a
+    PowerInfer file, the pack its predictors make: `sparse.powerinfer`) or a path.
     Returns a checked `SparsityPack` or None."""
     from .pack import SparsityPack
 
@@ -141,7 +142,9 @@ def resolve_pack(model_path: str | os.PathLike, sparse, source=None):
     if sparse == "auto":
         path = find_pack(model_path)
         if path is None:
-            return None
+            from . import powerinfer
+
+            return powerinfer.pack_from_source(source) if powerinfer.is_powerinfer(source) else None
     else:
         path = Path(sparse)
         if not path.is_file():

@@ -44,20 +44,25 @@ class LayerPack:
     tau: float = 0.0
     stats: dict = field(default_factory=dict)
     policy: str = "predictor"  # decode: "predictor" rows, or "first": dense first projection + threshold
+    # the predictor's weight format at run time: "q8" (trained predictors), or a float format
+    # that keeps a PowerInfer file's predictor values (`sparse.powerinfer`): W2 in it, W1 (the
+    # file's divided by the norm weight) in f32
+    predictor_format: str = "q8"
 
     @property
     def n_neurons(self) -> int:
         return int(self.order.numel())
 
     def predictor(self, for_ranking: bool = False):
-        """The runtime (q8) predictor decode uses (None under the "first" policy); with
-        `for_ranking` (forced density) whenever one was trained."""
+        """The runtime predictor decode uses (in `predictor_format`; None under the "first"
+        policy); with `for_ranking` (forced density) whenever one was trained."""
         if self.predictor_state is None or (self.policy != "predictor" and not for_ranking):
             return None
         from .predictor import QPredictor
 
         s = self.predictor_state
-        return QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], self.tau)
+        return QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], self.tau, fmt=self.predictor_format,
+                          w1_fmt=None if self.predictor_format == "q8" else "f32")
 
     @property
     def predictor_nbytes(self) -> int:
@@ -66,7 +71,7 @@ class LayerPack:
         from .predictor import predictor_bytes
 
         r, d = self.predictor_state["w1"].shape
-        return predictor_bytes(d, r, self.n_neurons)
+        return predictor_bytes(d, r, self.n_neurons, self.predictor_format)
 
 
 @dataclass

@@ -47,7 +47,9 @@ class QPredictor:
     """A trained predictor in q8 for our kernels; rows it returns are hotness-order ids."""
 
     def __init__(self, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
-                 tau: float, fmt: str = "q8"):
+                 tau: float, fmt: str = "q8", w1_fmt: str | None = None):
+        """Weights in `fmt`; W1 in `w1_fmt` when given (a float W1 computed from a file's
+        weights, kept in f32 so that rounding does not move scores across the cut)."""
         r = w1.shape[0] if w1.dim() == 2 else -1
         if (r < 1 or tuple(b1.shape) != (r,) or w2.dim() != 2 or w2.shape[1] != r or w2.shape[0] < 1
                 or tuple(b2.shape) != (w2.shape[0],)):
@@ -55,7 +57,7 @@ class QPredictor:
                              f"w2 {tuple(w2.shape)}, b2 {tuple(b2.shape)} (expected (r, d), (r,), (n, r), (n,))")
         if not math.isfinite(float(tau)):
             raise ValueError(f"predictor cut tau must be finite, got {tau}")
-        self.w1 = from_float(w1.float(), fmt)
+        self.w1 = from_float(w1.float(), w1_fmt or fmt)
         # W2 is stored transposed, (r, n): decode computes W2 z as sum_j z_j W2t[j] (`axpy_rows`
         # over r long rows, which stream far better than `gemv` over n short rows of r values),
         # and z is not re-quantized; chunks and the accelerator use the same values
@@ -150,8 +152,12 @@ def q8_bytes(rows: int, cols: int) -> int:
     return rows * kp + rows * (kp // 32) * 2
 
 
-def predictor_bytes(d: int, r: int, n: int) -> int:
-    return q8_bytes(r, d) + q8_bytes(n, r) + 4 * (r + 2 * n)
+def predictor_bytes(d: int, r: int, n: int, fmt: str = "q8") -> int:
+    """Bytes of a runtime predictor (W1, W2^T, b1, the cut) with weights in `fmt` (a float
+    `fmt`: W2 in it, W1 in f32, as `LayerPack.predictor` makes them)."""
+    if fmt == "q8":
+        return q8_bytes(r, d) + q8_bytes(n, r) + 4 * (r + 2 * n)
+    return 4 * r * d + n * r * (4 if fmt == "f32" else 2) + 4 * (r + 2 * n)
 
 
 # ---------------------------------------------------------------------------- training
