@@ -483,25 +483,32 @@ TILE8_FN(q8_8x1, q8_tile1)
 TILE8_FN(q6_8x1, q6_tile1)
 TILE_FN(q4_4x2, q4_tile, 4, 2)
 TILE_FN(q4_1x2, q4_tile, 1, 2)
+TILE_FN(q4_4x3, q4_tile, 4, 3)
+TILE_FN(q4_1x3, q4_tile, 1, 3)
 TILE_FN(q8_4x4, q8_tile, 4, 4)
 TILE1_FN(q8_4x1, q8_tile1, 4)
 TILE_FN(q8_1x4, q8_tile, 1, 4)
 TILE1_FN(q8_1x1, q8_tile1, 1)
 TILE_FN(q8_4x2, q8_tile, 4, 2)
 TILE_FN(q8_1x2, q8_tile, 1, 2)
+TILE_FN(q8_4x3, q8_tile, 4, 3)
+TILE_FN(q8_1x3, q8_tile, 1, 3)
 TILE_FN(q6_4x4, q6_tile, 4, 4)
 TILE_FN(q6_4x1, q6_tile, 4, 1)
 TILE_FN(q6_1x4, q6_tile, 1, 4)
 TILE_FN(q6_1x1, q6_tile, 1, 1)
 TILE_FN(q6_4x2, q6_tile, 4, 2)
 TILE_FN(q6_1x2, q6_tile, 1, 2)
+TILE_FN(q6_4x3, q6_tile, 4, 3)
+TILE_FN(q6_1x3, q6_tile, 1, 3)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
-/* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1) */
-static const qtile_fn QTILES[3][2][3] = {
-    {{q8_4x4, q8_4x2, q8_4x1}, {q8_1x4, q8_1x2, q8_1x1}},
-    {{q4_4x4, q4_4x2, q4_4x1}, {q4_1x4, q4_1x2, q4_1x1}},
-    {{q6_4x4, q6_4x2, q6_4x1}, {q6_1x4, q6_1x2, q6_1x1}},
+/* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1, 3: index 3 is
+ * the three-token tile, for a batch of three rows or the rest of seven) */
+static const qtile_fn QTILES[3][2][4] = {
+    {{q8_4x4, q8_4x2, q8_4x1, q8_4x3}, {q8_1x4, q8_1x2, q8_1x1, q8_1x3}},
+    {{q4_4x4, q4_4x2, q4_4x1, q4_4x3}, {q4_1x4, q4_1x2, q4_1x1, q4_1x3}},
+    {{q6_4x4, q6_4x2, q6_4x1, q6_4x3}, {q6_1x4, q6_1x2, q6_1x1, q6_1x3}},
 };
 
 /* Position of the r-th row of tile j: with one token, a tile takes its 4 rows from 4
@@ -522,7 +529,7 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
-    const qtile_fn(*tiles)[3] = QTILES[w->fmt - FMT_Q8];
+    const qtile_fn(*tiles)[4] = QTILES[w->fmt - FMT_Q8];
     const int P = xq->pair ? 1 : 0;
     if (T == 1 && !P && rows && i1 - i0 >= 16) {
         /* one token over gathered rows: tiles of 8 rows, each from its own eighth of [i0, i1),
@@ -545,8 +552,8 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             rn[r] = j + 1 < ntiles ? si_row(rows, walk_pos(&wk, j + 1, r)) : rr[r];
         }
         for (int64_t t = 0; t < T;) {
-            const int Tn = T - t >= 4 ? 4 : T - t >= 2 ? 2 : 1;
-            const qtile_fn fn = tiles[R == 4 ? 0 : 1][Tn == 4 ? 0 : Tn == 2 ? 1 : 2];
+            const int Tn = T - t >= 4 ? 4 : (int)(T - t);
+            const qtile_fn fn = tiles[R == 4 ? 0 : 1][Tn == 4 ? 0 : Tn == 3 ? 3 : Tn == 2 ? 1 : 2];
             xq_t sub = *xq;
             sub.q += t * xq->q_stride;
             sub.d += t * xq->d_stride;
