@@ -120,7 +120,8 @@ def test_openai_client_gets_the_python_api_answer(client, ref):
 
 
 def test_stream_is_the_single_process_stream(cluster, single):
-    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "stream_options": {"include_usage": True}}
+    messages = [{"role": "user", "content": "Name a color."}]  # new to both: no cached prefix in either
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "stream_options": {"include_usage": True}}
     _, lines = stream(cluster, body)
     with httpx.stream("POST", single + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH,
                       timeout=120) as r:

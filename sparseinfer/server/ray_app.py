@@ -198,6 +198,10 @@ def serve_on_ray(opts: ReplicaOptions, replicas: int = 1, max_replicas: int | No
     ray, serve = _ray()
     app = application(opts, replicas, max_replicas, env)  # bad options fail before Ray starts
     started = address is None
+    cores = os.cpu_count() or 1
+    if started and replicas * opts.threads > cores:  # Ray would wait for CPUs that never come
+        raise SparseInferError(f"{replicas} replica(s) x {opts.threads} thread(s) need {replicas * opts.threads} "
+                               f"CPUs; this machine has {cores}: use fewer --replicas or --threads")
     ray.init(address=address, include_dashboard=False, logging_level="warning")
     try:
         serve.start(http_options={"host": host, "port": port})
