@@ -172,8 +172,8 @@ def test_requests_spread_over_both_replicas(cluster):
 
 
 def test_killing_a_replica_fails_only_its_stream(cluster, client):
-    """A replica dies mid-stream: that stream ends in an error (never as if complete), the other
-    replica's stream completes, and the next request is answered."""
+    """A replica dies mid-stream: that stream ends in an error at the client (never as if
+    complete), the other replica's stream completes, and the next request is answered."""
     body = {"messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
             "max_tokens": 200, "temperature": 0}
     replicas, opened = [], threading.Semaphore(0)
@@ -194,9 +194,7 @@ def test_killing_a_replica_fails_only_its_stream(cluster, client):
         failed, completed = victim.result(120), survivor.result(120)
     assert not isinstance(completed, Exception), completed
     assert sse_payloads(completed[1])[-1]["choices"][0]["finish_reason"] == "length"
-    if not isinstance(failed, Exception):  # the stream ended: it must say it failed, not finish
-        data = [ln for ln in failed[1] if ln.startswith("data: ")]
-        assert not any('"finish_reason":"length"' in ln for ln in data), data[-3:]
-        assert data and data[-1] != "data: [DONE]" or '"error"' in data[-2], data[-3:]
+    # the proxy cuts the killed replica's connection before `data: [DONE]`: the client raises
+    assert isinstance(failed, httpx.RemoteProtocolError), failed
     r = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, max_tokens=4)
     assert r.choices[0].message.content
