@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -33,13 +34,17 @@ KEY = "sk-ray-test"
 KEY_ENV = "SPARSEINFER_TEST_RAY_KEY"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-VOLATILE = {"id", "created"}  # differ between any two responses
+VOLATILE = {"id", "created", "cached_tokens"}  # differ between two responses (cached: the server's prompt cache)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def replica_options(path) -> ReplicaOptions:
+    return ReplicaOptions(model=str(path), threads=1, ctx_size=CTX, parallel=1, api_key_env=KEY_ENV)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +55,8 @@ def cluster(smollm2_path):
              log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        opts = ReplicaOptions(model=str(smollm2_path), threads=1, ctx_size=CTX, parallel=1, api_key_env=KEY_ENV)
-        serve.run(application(opts, replicas=2, env={KEY_ENV: KEY}), name=APP_NAME, route_prefix="/")
+        serve.run(application(replica_options(smollm2_path), replicas=2, env={KEY_ENV: KEY}), name=APP_NAME,
+                  route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -100,6 +105,16 @@ def stable(obj):
     if isinstance(obj, list):
         return [stable(v) for v in obj]
     return obj
+
+
+def wait_for_running(n: int, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = serve.status().applications[APP_NAME].deployments["SparseInferReplica"].replica_states
+        if states.get("RUNNING", 0) == n:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"not {n} running replicas after {timeout:g} s: {states}")
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -198,3 +213,26 @@ def test_killing_a_replica_fails_only_its_stream(cluster, client):
     assert isinstance(failed, httpx.RemoteProtocolError), failed
     r = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHAT, max_tokens=4)
     assert r.choices[0].message.content
+
+
+def test_replicas_being_replaced_finish_their_streams(cluster, smollm2_path):
+    """Graceful draining: redeploying with 1 replica replaces both replicas while each serves a
+    stream; both streams still complete (`finish_reason` and `[DONE]`), then the new replica answers.
+    (Last: it leaves one replica.)"""
+    body = {"messages": [{"role": "user", "content": "Write a long story about a ship."}], "max_tokens": 200,
+            "temperature": 0}
+    wait_for_running(2)  # the replacement of the replica killed above
+    replicas, opened = [], threading.Semaphore(0)
+    with ThreadPoolExecutor(2) as ex:
+        streams = [ex.submit(stream, cluster, body, lambda rep: (replicas.append(rep), opened.release()))]
+        assert opened.acquire(timeout=60)
+        streams.append(ex.submit(stream, cluster, body, lambda rep: (replicas.append(rep), opened.release())))
+        assert opened.acquire(timeout=60)
+        serve.run(application(replica_options(smollm2_path), replicas=1, env={KEY_ENV: KEY}), name=APP_NAME,
+                  route_prefix="/")
+        done = [f.result(120) for f in streams]
+    assert len(set(replicas)) == 2
+    for _, lines in done:
+        assert sse_payloads(lines)[-1]["choices"][0]["finish_reason"] == "length"
+    r = httpx.get(cluster + "/health", timeout=30)
+    assert r.status_code == 200 and r.headers[REPLICA_HEADER] not in replicas
