@@ -68,7 +68,8 @@ class ReplicaOptions:
             if not isinstance(value, int) or value < 1:
                 raise SparseInferError(f"sparseinfer application arg {name} must be an integer >= 1 (got {value!r})")
         if not isinstance(self.cache_ram_mib, (int, float)) or self.cache_ram_mib < 0:
-            raise SparseInferError(f"sparseinfer application arg cache_ram_mib must be >= 0 (got {self.cache_ram_mib!r})")
+            raise SparseInferError("sparseinfer application arg cache_ram_mib must be >= 0 "
+                                   f"(got {self.cache_ram_mib!r})")
         bad = sorted(set(self.limits) - {f.name for f in dataclasses.fields(Limits)})
         if bad:
             raise SparseInferError(f"unknown limits {bad} in the sparseinfer application args; "
