@@ -221,7 +221,14 @@ def test_replicas_being_replaced_finish_their_streams(cluster, smollm2_path):
     (Last: it leaves one replica.)"""
     body = {"messages": [{"role": "user", "content": "Write a long story about a ship."}], "max_tokens": 200,
             "temperature": 0}
-    wait_for_running(2)  # the replacement of the replica killed above
+    wait_for_running(2)  # the replacement of the replica killed above, known to the proxy:
+    seen = set()
+    for _ in range(120):
+        seen.add(httpx.get(cluster + "/health", timeout=30).headers[REPLICA_HEADER])
+        if len(seen) == 2:
+            break
+        time.sleep(0.25)
+    assert len(seen) == 2, seen
     replicas, opened = [], threading.Semaphore(0)
     with ThreadPoolExecutor(2) as ex:
         streams = [ex.submit(stream, cluster, body, lambda rep: (replicas.append(rep), opened.release()))]
