@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 from ..errors import SparseInferError
 from .args import cache_type_arg, check_tensors_arg, load_from_args, sparse_args
@@ -61,6 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cache_type_arg(p)
     check_tensors_arg(p)
     p.add_argument("--verbose", action="store_true", help="show tracebacks and debug logs")
+    r = p.add_argument_group("replicas on Ray Serve (pip install 'sparseinfer[cluster]'; see docs/cluster.md)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve N replicas of the model behind Ray Serve's proxy instead of one process; each "
+                        "loads the model with --threads threads (default 1 with --ray)")
+    r.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas to run (default: 1)")
+    r.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                   help="let Ray's autoscaler add replicas up to M while requests wait, and remove them down to "
+                        "--replicas when idle (default: --replicas, no autoscaling)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to run on (e.g. auto, ray://head:10001) (default: start Ray on this machine)")
 
 
 def add_parser(subparsers):
@@ -80,9 +91,11 @@ def run(a: argparse.Namespace) -> int:
         raise SparseInferError(f"--prefill-chunk must be >= 1 (got {a.prefill_chunk})")
     if not a.cache_ram >= 0:
         raise SparseInferError(f"--cache-ram must be a number of MiB >= 0 (got {a.cache_ram})")
+    limits = limits_from_args(a)  # before the load, which can take a while
+    if a.ray:
+        return run_on_ray(a, limits)
     from ..server.app import Settings
 
-    limits = limits_from_args(a)  # before the load, which can take a while
     t0 = time.perf_counter()
     llm = load_from_args(a, report=False, n_seq=a.parallel)
     settings = Settings.for_model(llm, a.model, a.alias, a.api_key, limits)
@@ -90,6 +103,26 @@ def run(a: argparse.Namespace) -> int:
           f"{a.parallel} slot(s) x {llm.ctx_size} tokens", file=sys.stderr)
     serve(llm, settings, host=a.host, port=a.port, parallel=a.parallel, max_queue=a.max_queue,
           prefill_chunk=a.prefill_chunk, cache_ram=int(a.cache_ram * (1 << 20)), log_level="debug" if a.verbose else "info")
+    return 0
+
+
+def run_on_ray(a: argparse.Namespace, limits) -> int:
+    """`--ray`: the replicas load the model, not this process; it runs Ray Serve until interrupted."""
+    from dataclasses import asdict
+
+    from ..server.ray_app import ReplicaOptions, serve_on_ray
+
+    if a.device not in ("auto", "cpu") or a.vram_budget is not None or a.check_tensors:
+        raise SparseInferError("--ray replicas run on CPU: drop --device, --vram-budget and --check-tensors")
+    if a.host and a.host not in ("0.0.0.0", "::") and a.host not in limits.allowed_hosts:
+        limits = replace(limits, allowed_hosts=limits.allowed_hosts + (a.host,))
+    opts = ReplicaOptions(model=a.model, threads=a.threads or 1, ctx_size=a.ctx_size, parallel=a.parallel,
+                          max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, cache_ram_mib=a.cache_ram,
+                          cache_type=a.cache_type, sparse=a.sparse or "auto", dense=a.dense, act_mode=a.act_mode,
+                          alias=a.alias, limits=asdict(limits))
+    opts.check()
+    env = {opts.api_key_env: a.api_key} if a.api_key else {}  # the replicas read the key from their environment
+    serve_on_ray(opts, a.replicas, a.max_replicas, host=a.host, port=a.port, address=a.ray_address, env=env)
     return 0
 
 
