@@ -145,7 +145,9 @@ class HybridFFN(Module):
         part, n = FFNPart.of(ffn), ffn.n_neurons
         hot = part.rows(0, n_hot, accel) if n_hot else None
         cold = part.rows(n_hot, n, "cpu") if n_hot < n else None
-        pred = ffn.predictor
+        # a predictor reading the residual stream (a PowerInfer Falcon file's) is not carried over:
+        # the split picks rows by the exact activation instead
+        pred = None if ffn.reads_residual else ffn.predictor
         if pred is not None and predictor_on_device:
             pred = pred.to(accel, torch_ops=True)
         return cls(hot, cold, ffn.act, ffn.act_name, accel, home, ffn.threshold, ffn.down.bias, pred, ffn.mode, worker)
@@ -169,7 +171,8 @@ class HybridFFN(Module):
             raise ValueError(f"unknown SparseFFN mode {mode!r}; expected one of {MODES}")
         self._mode = mode
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: unused (see `from_sparse`)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         single = x.dim() < 2 or x.shape[-2] == 1
