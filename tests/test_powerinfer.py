@@ -4,7 +4,7 @@ PowerInfer's own converters, with the weights they read as safetensors).
 References: transformers' dense ReLU / dReLU model on the same weights (every neuron active),
 and the same model with PowerInfer's predicted masks applied per token, computed from the
 predictor weights the converter read, on the input PowerInfer's predictor reads (the residual
-stream before the FFN norm)."""
+stream before the FFN norm; for Falcon, the block's input before its LayerNorm)."""
 from __future__ import annotations
 
 import json
@@ -35,7 +35,8 @@ def model_file(kind: str) -> Path:
 def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None):
     """transformers' model on the fixture's weights (float32).  bamboo: up also through ReLU.
     masks: each FFN's hidden activations multiplied per token by PowerInfer's predicted mask,
-    fc2 · relu(fc1 · x) > 0 with x the FFN's residual input (before its norm).  dequantized: a
+    fc2 · relu(fc1 · x) > 0 with x the FFN's residual input (before its norm; Falcon: the
+    block's input, before the LayerNorm the FFN reads through).  dequantized: a
     quantized copy of the fixture, whose dequantized weights and predictors replace them."""
     import transformers as tf
     from safetensors.torch import load_file
@@ -57,11 +58,25 @@ def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None
             for name, t in model.state_dict().items():
                 if src.has(name):
                     t.copy_(src.tensor(name).view_as(t))
-    if kind.startswith("falcon"):
-        return model
     preds = {k: v.float() for k, v in load_file(str(FIXTURES / kind / "predictors.safetensors")).items()}
     if dequantized is not None:
         preds = {k: src.file_tensor(k.replace("layer.", "blk.")) for k in preds}
+    if kind.startswith("falcon"):
+        for i, layer in enumerate(model.transformer.h):
+            mlp, seen = layer.mlp, {}
+            # the block's input: what its LayerNorm(s) read
+            ln = layer.ln_attn if hasattr(layer, "ln_attn") else layer.input_layernorm
+            ln.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
+            fc1, fc2 = preds[f"layer.{i}.fc1.weight"], preds[f"layer.{i}.fc2.weight"]
+
+            def forward(xn, mlp=mlp, seen=seen, fc1=fc1, fc2=fc2):
+                h = torch.relu(mlp.dense_h_to_4h(xn))
+                if masks:
+                    h = h * ((torch.relu(seen["x"] @ fc1.T) @ fc2.T) > 0)
+                return mlp.dense_4h_to_h(h)
+
+            mlp.forward = forward
+        return model
     for i, layer in enumerate(model.model.layers):
         mlp, seen = layer.mlp, {}
         layer.post_attention_layernorm.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
@@ -129,14 +144,15 @@ def test_dense_equals_transformers(kind, tokens):
     torch.testing.assert_close(run(llm.model, tokens, 1), want, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_file_predictors_equal_masked_reference(kind, tokens):
     """The file's predictors decide per token as PowerInfer's (fc2 · relu(fc1 · x) > 0 on the
-    residual before the FFN norm): every token decoded alone equals the masked reference, which
-    differs from the dense model (the masks matter)."""
+    residual before the FFN norm; Falcon: on the block's input): every token decoded alone
+    equals the masked reference, which differs from the dense model (the masks matter)."""
     llm = load(kind)
     ffns = sparse_ffns(llm.model)
     assert llm.sparsity is not None and all(f.predictor is not None for f in ffns)
+    assert all(f.reads_residual == kind.startswith("falcon") for f in ffns)
     got = run(llm.model, tokens, 1)
     want = hf_logits(hf_reference(kind, masks=True), tokens)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
@@ -145,13 +161,36 @@ def test_file_predictors_equal_masked_reference(kind, tokens):
 
 
 @pytest.mark.parametrize("kind", ["falcon-relu", "falcon40b-relu"])
-def test_falcon_runs_exact_rows_without_its_predictors(kind, tokens):
-    """Falcon's predictors read a LayerNorm's input: decode picks rows by ReLU instead (exact)."""
+def test_falcon_whole_chunks_apply_the_same_masks(kind, tokens):
+    """Perplexity's per-token masks on whole chunks (`faithful`) and batched decode read the
+    same residual stream: the masked reference again, for the prompt as one chunk."""
+    from sparseinfer.sparse.apply import set_mode
+
     llm = load(kind)
-    ffns = sparse_ffns(llm.model)
-    assert ffns and all(f.predictor is None for f in ffns)
-    want = hf_logits(hf_reference(kind), tokens)
-    torch.testing.assert_close(run(llm.model, tokens, 1), want, atol=2e-3, rtol=2e-3)
+    set_mode(llm.model, "faithful")
+    want = hf_logits(hf_reference(kind, masks=True), tokens)
+    torch.testing.assert_close(run(llm.model, tokens, tokens.shape[1]), want, atol=2e-3, rtol=2e-3)
+
+
+def test_residual_predictor_decode_equals_its_reference():
+    """One Falcon FFN: the C step on the rows the residual-reading predictor picks equals the
+    slow reference (`reference_token`, `reference`); the rows come from the residual stream,
+    not the FFN input, and calling it without that stream is an error."""
+    llm = load("falcon-relu")
+    block = llm.model.layers[0]
+    ffn = block.mlp
+    g = torch.Generator().manual_seed(3)
+    differ = 0
+    for _ in range(5):
+        x = torch.randn(1, 1, 32, generator=g)
+        xn = block.ln_attn(x)
+        got = ffn(xn, residual=x)
+        torch.testing.assert_close(got.view(-1), ffn.reference_token(xn.view(-1), x.view(-1)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ffn.reference(xn, x), atol=1e-5, rtol=1e-5)
+        differ += not torch.equal(got, ffn(xn, residual=xn))  # the same FFN input, another stream read
+    assert differ
+    with pytest.raises(ValueError, match="reads the residual stream"):
+        ffn(xn)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -205,6 +244,22 @@ def test_hybrid_placement_puts_hot_neurons_on_the_device(tokens):
         assert k == 0 or k == len(order) or counts[order[:k]].min() >= counts[order[k:]].max()
 
 
+def test_hybrid_falcon_picks_rows_by_relu(tokens):
+    """A split Falcon layer does not carry the residual-reading predictor over: the split
+    computes every active neuron (the dense model)."""
+    from sparseinfer.hybrid.costs import cost_model
+
+    llm = load("falcon-relu")
+    c = cost_model(llm.model, CTX, "cpu", cache_type="f32")
+    budget = (c.scratch + c.head + sum(lc.core + lc.predictor + c.ffn_overhead for lc in c.layers)
+              + sum(lc.neuron * lc.n_neurons for lc in c.layers) // 2)
+    hm, p = place_model(llm.model, "cpu", budget, CTX, NeuronStats.from_pack(llm.sparsity), group_size=16,
+                        use_cache=False, cache_type="f32")
+    assert p.mode == "neurons" and 0 < sum(p.n_hot) < sum(p.n_neurons)
+    want = hf_logits(hf_reference("falcon-relu"), tokens)
+    torch.testing.assert_close(run(hm, tokens, 1), want, atol=2e-3, rtol=2e-3)
+
+
 # ---------------------------------------------------------------------------- commands and errors
 def test_inspect_shows_predictors_and_threshold():
     from sparseinfer.describe import describe
@@ -215,7 +270,8 @@ def test_inspect_shows_predictors_and_threshold():
     assert "neuron stats: activation counts" in text
     assert "sparse threshold 0 (powerinfer.sparse_threshold not set)" in describe(str(model_file("bamboo")))
     assert "GPU split" in describe(str(model_file("bamboo")))
-    assert "not used" in describe(str(model_file("falcon-relu")))
+    text = describe(str(model_file("falcon-relu")))
+    assert "not used" not in text and "used on the block's input" in text
 
 
 def test_cli_run_uses_the_file_predictors(capsys):
