@@ -4,7 +4,8 @@ PowerInfer's own converters, with the weights they read as safetensors).
 References: transformers' dense ReLU / dReLU model on the same weights (every neuron active),
 and the same model with PowerInfer's predicted masks applied per token, computed from the
 predictor weights the converter read, on the input PowerInfer's predictor reads (the residual
-stream before the FFN norm; for Falcon, the block's input before its LayerNorm)."""
+stream before the FFN norm; for Falcon, the block's input before its LayerNorm; for OPT, the
+stream before the FFN's LayerNorm)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ from sparseinfer.sparse.apply import sparse_ffns
 from sparseinfer.sparse.ffn import SparseFFN
 
 FIXTURES = Path(__file__).parent / "fixtures" / "powerinfer"
-KINDS = ["llama-relu", "bamboo", "falcon-relu", "falcon40b-relu"]
+KINDS = ["llama-relu", "bamboo", "falcon-relu", "falcon40b-relu", "opt-relu"]
+RESIDUAL_READERS = ["falcon-relu", "falcon40b-relu", "opt-relu"]  # predictors read the stream before a LayerNorm
 CTX = 64
 
 pytestmark = pytest.mark.usefixtures("precise_activations")
@@ -46,11 +48,15 @@ def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None
     sd = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
     if kind.startswith("falcon"):
         model = tf.FalconForCausalLM(tf.FalconConfig(**cfg))
+    elif kind == "opt-relu":
+        model = tf.OPTForCausalLM(tf.OPTConfig(**cfg))
     else:
         cfg["model_type"] = "llama"
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    if kind == "opt-relu":
+        model.config.dropout = 0.0
     model.float().eval()
     if dequantized is not None:
         src = open_source(dequantized)
@@ -76,6 +82,17 @@ def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None
                 return mlp.dense_4h_to_h(h)
 
             mlp.forward = forward
+        return model
+    if kind == "opt-relu":
+        for i, layer in enumerate(model.model.decoder.layers):
+            seen = {}
+            # the stream before the FFN's LayerNorm, and the mask on what fc2 mixes
+            layer.final_layer_norm.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
+            fc1, fc2 = preds[f"layer.{i}.fc1.weight"], preds[f"layer.{i}.fc2.weight"]
+            if masks:
+                layer.fc2.register_forward_pre_hook(
+                    lambda m, args, seen=seen, fc1=fc1, fc2=fc2:
+                    (args[0] * ((torch.relu(seen["x"] @ fc1.T) @ fc2.T) > 0).view_as(args[0]),))
         return model
     for i, layer in enumerate(model.model.layers):
         mlp, seen = layer.mlp, {}
@@ -124,7 +141,8 @@ def test_recognised_with_transposed_down_and_predictors(kind):
     assert src.powerinfer and src.reader.version == 3
     c = src.config
     assert c.hidden_act == ("drelu" if kind == "bamboo" else "relu")
-    down = "transformer.h.0.mlp.dense_4h_to_h.weight" if kind.startswith("falcon") else "model.layers.0.mlp.down_proj.weight"
+    down = ("transformer.h.0.mlp.dense_4h_to_h.weight" if kind.startswith("falcon") else
+            "model.decoder.layers.0.fc2.weight" if kind == "opt-relu" else "model.layers.0.mlp.down_proj.weight")
     assert src.file_name(down) == "blk.0.ffn_down_t.weight"
     assert src.shape(down) == (c.hidden_size, c.intermediate_size)
     assert src.file_tensor_info("blk.0.ffn_down_t.weight").shape.tolist() == [c.hidden_size, c.intermediate_size]
@@ -152,7 +170,7 @@ def test_file_predictors_equal_masked_reference(kind, tokens):
     llm = load(kind)
     ffns = sparse_ffns(llm.model)
     assert llm.sparsity is not None and all(f.predictor is not None for f in ffns)
-    assert all(f.reads_residual == kind.startswith("falcon") for f in ffns)
+    assert all(f.reads_residual == (kind in RESIDUAL_READERS) for f in ffns)
     got = run(llm.model, tokens, 1)
     want = hf_logits(hf_reference(kind, masks=True), tokens)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
@@ -160,8 +178,8 @@ def test_file_predictors_equal_masked_reference(kind, tokens):
     assert (dense - want).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("kind", ["falcon-relu", "falcon40b-relu"])
-def test_falcon_whole_chunks_apply_the_same_masks(kind, tokens):
+@pytest.mark.parametrize("kind", RESIDUAL_READERS)
+def test_whole_chunks_apply_the_same_masks(kind, tokens):
     """Perplexity's per-token masks on whole chunks (`faithful`) and batched decode read the
     same residual stream: the masked reference again, for the prompt as one chunk."""
     from sparseinfer.sparse.apply import set_mode
@@ -270,8 +288,9 @@ def test_inspect_shows_predictors_and_threshold():
     assert "neuron stats: activation counts" in text
     assert "sparse threshold 0 (powerinfer.sparse_threshold not set)" in describe(str(model_file("bamboo")))
     assert "GPU split" in describe(str(model_file("bamboo")))
-    text = describe(str(model_file("falcon-relu")))
-    assert "not used" not in text and "used on the block's input" in text
+    for kind in RESIDUAL_READERS:
+        text = describe(str(model_file(kind)))
+        assert "not used" not in text and "used on the residual stream before the FFN's LayerNorm" in text
 
 
 def test_cli_run_uses_the_file_predictors(capsys):

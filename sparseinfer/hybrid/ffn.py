@@ -105,7 +105,7 @@ def _done(value) -> Future:
 
 def carried_predictor(ffn):
     """The predictor a split of `ffn` runs: its own, except one that reads the residual stream
-    (a PowerInfer Falcon file's), which is not carried over: the split then picks rows by the
+    (a PowerInfer Falcon or OPT file's), which is not carried over: the split then picks rows by the
     exact activation (as under the pack's "first" policy)."""
     pred = getattr(ffn, "predictor", None)
     return None if pred is None or getattr(pred, "reads", "ffn_input") == "residual" else pred

@@ -38,7 +38,7 @@ neuron in a single pass, up and down always on the kept rows.  Prefill's thresho
 hidden activations come from one C pass (`kernels.cpu.hidden_rows`) where the mask is the
 threshold alone.
 A predictor that reads the residual stream (``predictor.reads == "residual"``: a PowerInfer
-Falcon file's, trained on the block's input before its LayerNorm) is given that stream by the
+Falcon or OPT file's, trained on the stream before a LayerNorm) is given that stream by the
 block (``ffn(x, residual=...)``); one token then picks its rows from it in Python and the C step
 runs on those rows (it never runs such a predictor itself).
 `density` (bench): force the active fraction to D: the top-D rows by predictor score, or a
@@ -356,7 +356,7 @@ class SparseFFN(Module):
             return x2
         if residual is None:
             raise ValueError("this layer's predictor reads the residual stream before the FFN's norm (a PowerInfer "
-                             "Falcon file's); call the FFN with residual=the block's stream")
+                             "Falcon or OPT file's); call the FFN with residual=the block's stream")
         r2 = residual.reshape(-1, residual.shape[-1]).float().contiguous()
         if r2.shape != x2.shape:
             raise ValueError(f"residual stream of shape {tuple(r2.shape)} for FFN input {tuple(x2.shape)}")

@@ -50,7 +50,7 @@ class LayerPack:
     # file's divided by the norm weight) in f32
     predictor_format: str = "q8"
     # what the predictor reads (`predictor.READS`): the FFN's input, or the residual stream
-    # before the FFN's norm (a PowerInfer Falcon file's predictors, `sparse.powerinfer`)
+    # before the FFN's norm (a PowerInfer Falcon or OPT file's predictors, `sparse.powerinfer`)
     predictor_reads: str = "ffn_input"
 
     @property

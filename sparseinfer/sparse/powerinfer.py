@@ -15,13 +15,12 @@ no `.sparse` pack lies next to it; decode then runs through the usual sparse pat
   when the file's predictors are quantized.  With a threshold of 0 the decisions are PowerInfer's
   (except at a score of exactly 0, which PowerInfer computes and we skip; where the threshold
   is not 0 the division by rms(x) changes the rule, and the cut applies to the scaled score).
-  Falcon predictors read the block's input, the residual stream before its LayerNorm (mean
-  removed, bias added), which no change of weights maps onto the LayerNorm's output: the pack
-  keeps ``w1 = fc1``, ``w2 = fc2`` and marks the predictor as reading the residual stream
-  (``predictor_reads="residual"``), which the Falcon block hands to its FFN; the cut is the
-  threshold itself, PowerInfer's rule (but for a score exactly at it).  OPT files' predictors
-  are not used yet: those layers decode under the exact ``first`` policy (the first projection
-  runs dense, ReLU picks the rows).
+  Falcon and OPT predictors read the residual stream before a LayerNorm (Falcon: the block's
+  input; OPT: the stream before the FFN's norm; mean removed, bias added), which no change of
+  weights maps onto the LayerNorm's output: the pack keeps ``w1 = fc1``, ``w2 = fc2`` and marks
+  the predictor as reading the residual stream (``predictor_reads="residual"``), which those
+  blocks hand to their FFN; the cut is the threshold itself, PowerInfer's rule (but for a score
+  exactly at it).
 - **Neuron order.**  From PowerInfer's profile (``activation/activation_{i}.pt``): hottest
   first, frequencies = counts / the layer's largest count.  Else from its GPU split
   (``MODEL.generated.gpuidx``): the GPU neurons first, frequency 1, the others 0.  Else the
@@ -39,7 +38,7 @@ from .pack import SparsityPack, LayerPack
 
 # the norm before each family's FFN, whose weight the predictors' first layer is divided by, or
 # None where the predictors read the residual stream before that norm as they are
-_FFN_NORM = {"llama": "model.layers.{}.post_attention_layernorm.weight", "falcon": None}
+_FFN_NORM = {"llama": "model.layers.{}.post_attention_layernorm.weight", "falcon": None, "opt": None}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "f16"}
 
 
@@ -154,11 +153,10 @@ def describe(src) -> list[str]:
         lines.append(f"predictors:   missing {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: "
                      "runs only with --dense or a pack from `sparseinfer prepare`")
     elif c.family not in _FFN_NORM:
-        lines.append("predictors:   not used (they read the input of a LayerNorm): decode computes the first "
-                     "projection densely and ReLU picks the rows (exact)")
+        lines.append("predictors:   not used: decode computes the first projection densely and ReLU picks the "
+                     "rows (exact)")
     elif _FFN_NORM[c.family] is None:
-        lines.append("predictors:   used on the block's input (the residual stream before its LayerNorm), "
-                     "as PowerInfer runs them")
+        lines.append("predictors:   used on the residual stream before the FFN's LayerNorm, as PowerInfer runs them")
     n_neurons = [c.intermediate_size] * c.num_hidden_layers
     try:
         _, _, stats_from = neuron_stats(src, n_neurons)
