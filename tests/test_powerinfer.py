@@ -293,10 +293,26 @@ def test_inspect_shows_predictors_and_threshold():
         assert "not used" not in text and "used on the residual stream before the FFN's LayerNorm" in text
 
 
-def test_cli_run_uses_the_file_predictors(capsys):
+@pytest.mark.parametrize("kind", ["llama-relu", "falcon-relu", "opt-relu"])
+def test_cli_run_uses_the_file_predictors(kind, capsys):
     from sparseinfer.commands import main
 
-    assert main(["run", "-m", str(model_file("llama-relu")), "-p", "the", "-n", "4", "--temp", "0", "-t", "1"]) == 0
+    assert main(["run", "-m", str(model_file(kind)), "-p", "the", "-n", "4", "--temp", "0", "-t", "1"]) == 0
+
+
+def test_saved_pack_keeps_what_its_predictors_read(tmp_path):
+    """A pack made from a Falcon file, saved and read back, still feeds its predictors the
+    residual stream; a pack claiming another input is refused with a clear error."""
+    from sparseinfer.sparse.pack import SparsityPack
+
+    pack = load("falcon-relu").sparsity
+    path = pack.save(tmp_path / "falcon.sparse")
+    back = SparsityPack.load(path)
+    assert [lp.predictor_reads for lp in back.layers] == ["residual"] * len(pack.layers)
+    assert back.layers[0].predictor().reads == "residual"
+    pack.layers[0].predictor_reads = "attention"
+    with pytest.raises(SparsityPackError, match="layer 0's predictor reads 'attention'; expected one of ffn_input, residual"):
+        pack.validate()
 
 
 def _copy_renaming(tmp_path: Path, kind: str, name: str) -> Path:
