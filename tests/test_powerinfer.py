@@ -4,7 +4,8 @@ PowerInfer's own converters, with the weights they read as safetensors).
 References: transformers' dense ReLU / dReLU model on the same weights (every neuron active),
 and the same model with PowerInfer's predicted masks applied per token, computed from the
 predictor weights the converter read, on the input PowerInfer's predictor reads (the residual
-stream before the FFN norm)."""
+stream before the FFN norm; for Falcon, the block's input before its LayerNorm; for OPT, the
+stream before the FFN's LayerNorm)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ from sparseinfer.sparse.apply import sparse_ffns
 from sparseinfer.sparse.ffn import SparseFFN
 
 FIXTURES = Path(__file__).parent / "fixtures" / "powerinfer"
-KINDS = ["llama-relu", "bamboo", "falcon-relu", "falcon40b-relu"]
+KINDS = ["llama-relu", "bamboo", "falcon-relu", "falcon40b-relu", "opt-relu"]
+RESIDUAL_READERS = ["falcon-relu", "falcon40b-relu", "opt-relu"]  # predictors read the stream before a LayerNorm
 CTX = 64
 
 pytestmark = pytest.mark.usefixtures("precise_activations")
@@ -35,7 +37,8 @@ def model_file(kind: str) -> Path:
 def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None):
     """transformers' model on the fixture's weights (float32).  bamboo: up also through ReLU.
     masks: each FFN's hidden activations multiplied per token by PowerInfer's predicted mask,
-    fc2 · relu(fc1 · x) > 0 with x the FFN's residual input (before its norm).  dequantized: a
+    fc2 · relu(fc1 · x) > 0 with x the FFN's residual input (before its norm; Falcon: the
+    block's input, before the LayerNorm the FFN reads through).  dequantized: a
     quantized copy of the fixture, whose dequantized weights and predictors replace them."""
     import transformers as tf
     from safetensors.torch import load_file
@@ -45,11 +48,15 @@ def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None
     sd = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
     if kind.startswith("falcon"):
         model = tf.FalconForCausalLM(tf.FalconConfig(**cfg))
+    elif kind == "opt-relu":
+        model = tf.OPTForCausalLM(tf.OPTConfig(**cfg))
     else:
         cfg["model_type"] = "llama"
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**cfg))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    if kind == "opt-relu":
+        model.config.dropout = 0.0
     model.float().eval()
     if dequantized is not None:
         src = open_source(dequantized)
@@ -57,11 +64,36 @@ def hf_reference(kind: str, masks: bool = False, dequantized: Path | None = None
             for name, t in model.state_dict().items():
                 if src.has(name):
                     t.copy_(src.tensor(name).view_as(t))
-    if kind.startswith("falcon"):
-        return model
     preds = {k: v.float() for k, v in load_file(str(FIXTURES / kind / "predictors.safetensors")).items()}
     if dequantized is not None:
         preds = {k: src.file_tensor(k.replace("layer.", "blk.")) for k in preds}
+    if kind.startswith("falcon"):
+        for i, layer in enumerate(model.transformer.h):
+            mlp, seen = layer.mlp, {}
+            # the block's input: what its LayerNorm(s) read
+            ln = layer.ln_attn if hasattr(layer, "ln_attn") else layer.input_layernorm
+            ln.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
+            fc1, fc2 = preds[f"layer.{i}.fc1.weight"], preds[f"layer.{i}.fc2.weight"]
+
+            def forward(xn, mlp=mlp, seen=seen, fc1=fc1, fc2=fc2):
+                h = torch.relu(mlp.dense_h_to_4h(xn))
+                if masks:
+                    h = h * ((torch.relu(seen["x"] @ fc1.T) @ fc2.T) > 0)
+                return mlp.dense_4h_to_h(h)
+
+            mlp.forward = forward
+        return model
+    if kind == "opt-relu":
+        for i, layer in enumerate(model.model.decoder.layers):
+            seen = {}
+            # the stream before the FFN's LayerNorm, and the mask on what fc2 mixes
+            layer.final_layer_norm.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
+            fc1, fc2 = preds[f"layer.{i}.fc1.weight"], preds[f"layer.{i}.fc2.weight"]
+            if masks:
+                layer.fc2.register_forward_pre_hook(
+                    lambda m, args, seen=seen, fc1=fc1, fc2=fc2:
+                    (args[0] * ((torch.relu(seen["x"] @ fc1.T) @ fc2.T) > 0).view_as(args[0]),))
+        return model
     for i, layer in enumerate(model.model.layers):
         mlp, seen = layer.mlp, {}
         layer.post_attention_layernorm.register_forward_pre_hook(lambda m, args, seen=seen: seen.update(x=args[0]))
@@ -109,7 +141,8 @@ def test_recognised_with_transposed_down_and_predictors(kind):
     assert src.powerinfer and src.reader.version == 3
     c = src.config
     assert c.hidden_act == ("drelu" if kind == "bamboo" else "relu")
-    down = "transformer.h.0.mlp.dense_4h_to_h.weight" if kind.startswith("falcon") else "model.layers.0.mlp.down_proj.weight"
+    down = ("transformer.h.0.mlp.dense_4h_to_h.weight" if kind.startswith("falcon") else
+            "model.decoder.layers.0.fc2.weight" if kind == "opt-relu" else "model.layers.0.mlp.down_proj.weight")
     assert src.file_name(down) == "blk.0.ffn_down_t.weight"
     assert src.shape(down) == (c.hidden_size, c.intermediate_size)
     assert src.file_tensor_info("blk.0.ffn_down_t.weight").shape.tolist() == [c.hidden_size, c.intermediate_size]
@@ -129,14 +162,15 @@ def test_dense_equals_transformers(kind, tokens):
     torch.testing.assert_close(run(llm.model, tokens, 1), want, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("kind", ["llama-relu", "bamboo"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_file_predictors_equal_masked_reference(kind, tokens):
     """The file's predictors decide per token as PowerInfer's (fc2 · relu(fc1 · x) > 0 on the
-    residual before the FFN norm): every token decoded alone equals the masked reference, which
-    differs from the dense model (the masks matter)."""
+    residual before the FFN norm; Falcon: on the block's input): every token decoded alone
+    equals the masked reference, which differs from the dense model (the masks matter)."""
     llm = load(kind)
     ffns = sparse_ffns(llm.model)
     assert llm.sparsity is not None and all(f.predictor is not None for f in ffns)
+    assert all(f.reads_residual == (kind in RESIDUAL_READERS) for f in ffns)
     got = run(llm.model, tokens, 1)
     want = hf_logits(hf_reference(kind, masks=True), tokens)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
@@ -144,14 +178,37 @@ def test_file_predictors_equal_masked_reference(kind, tokens):
     assert (dense - want).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("kind", ["falcon-relu", "falcon40b-relu"])
-def test_falcon_runs_exact_rows_without_its_predictors(kind, tokens):
-    """Falcon's predictors read a LayerNorm's input: decode picks rows by ReLU instead (exact)."""
+@pytest.mark.parametrize("kind", RESIDUAL_READERS)
+def test_whole_chunks_apply_the_same_masks(kind, tokens):
+    """Perplexity's per-token masks on whole chunks (`faithful`) and batched decode read the
+    same residual stream: the masked reference again, for the prompt as one chunk."""
+    from sparseinfer.sparse.apply import set_mode
+
     llm = load(kind)
-    ffns = sparse_ffns(llm.model)
-    assert ffns and all(f.predictor is None for f in ffns)
-    want = hf_logits(hf_reference(kind), tokens)
-    torch.testing.assert_close(run(llm.model, tokens, 1), want, atol=2e-3, rtol=2e-3)
+    set_mode(llm.model, "faithful")
+    want = hf_logits(hf_reference(kind, masks=True), tokens)
+    torch.testing.assert_close(run(llm.model, tokens, tokens.shape[1]), want, atol=2e-3, rtol=2e-3)
+
+
+def test_residual_predictor_decode_equals_its_reference():
+    """One Falcon FFN: the C step on the rows the residual-reading predictor picks equals the
+    slow reference (`reference_token`, `reference`); the rows come from the residual stream,
+    not the FFN input, and calling it without that stream is an error."""
+    llm = load("falcon-relu")
+    block = llm.model.layers[0]
+    ffn = block.mlp
+    g = torch.Generator().manual_seed(3)
+    differ = 0
+    for _ in range(5):
+        x = torch.randn(1, 1, 32, generator=g)
+        xn = block.ln_attn(x)
+        got = ffn(xn, residual=x)
+        torch.testing.assert_close(got.view(-1), ffn.reference_token(xn.view(-1), x.view(-1)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ffn.reference(xn, x), atol=1e-5, rtol=1e-5)
+        differ += not torch.equal(got, ffn(xn, residual=xn))  # the same FFN input, another stream read
+    assert differ
+    with pytest.raises(ValueError, match="reads the residual stream"):
+        ffn(xn)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -205,6 +262,22 @@ def test_hybrid_placement_puts_hot_neurons_on_the_device(tokens):
         assert k == 0 or k == len(order) or counts[order[:k]].min() >= counts[order[k:]].max()
 
 
+def test_hybrid_falcon_picks_rows_by_relu(tokens):
+    """A split Falcon layer does not carry the residual-reading predictor over: the split
+    computes every active neuron (the dense model)."""
+    from sparseinfer.hybrid.costs import cost_model
+
+    llm = load("falcon-relu")
+    c = cost_model(llm.model, CTX, "cpu", cache_type="f32")
+    budget = (c.scratch + c.head + sum(lc.core + lc.predictor + c.ffn_overhead for lc in c.layers)
+              + sum(lc.neuron * lc.n_neurons for lc in c.layers) // 2)
+    hm, p = place_model(llm.model, "cpu", budget, CTX, NeuronStats.from_pack(llm.sparsity), group_size=16,
+                        use_cache=False, cache_type="f32")
+    assert p.mode == "neurons" and 0 < sum(p.n_hot) < sum(p.n_neurons)
+    want = hf_logits(hf_reference("falcon-relu"), tokens)
+    torch.testing.assert_close(run(hm, tokens, 1), want, atol=2e-3, rtol=2e-3)
+
+
 # ---------------------------------------------------------------------------- commands and errors
 def test_inspect_shows_predictors_and_threshold():
     from sparseinfer.describe import describe
@@ -215,13 +288,31 @@ def test_inspect_shows_predictors_and_threshold():
     assert "neuron stats: activation counts" in text
     assert "sparse threshold 0 (powerinfer.sparse_threshold not set)" in describe(str(model_file("bamboo")))
     assert "GPU split" in describe(str(model_file("bamboo")))
-    assert "not used" in describe(str(model_file("falcon-relu")))
+    for kind in RESIDUAL_READERS:
+        text = describe(str(model_file(kind)))
+        assert "not used" not in text and "used on the residual stream before the FFN's LayerNorm" in text
 
 
-def test_cli_run_uses_the_file_predictors(capsys):
+@pytest.mark.parametrize("kind", ["llama-relu", "falcon-relu", "opt-relu"])
+def test_cli_run_uses_the_file_predictors(kind, capsys):
     from sparseinfer.commands import main
 
-    assert main(["run", "-m", str(model_file("llama-relu")), "-p", "the", "-n", "4", "--temp", "0", "-t", "1"]) == 0
+    assert main(["run", "-m", str(model_file(kind)), "-p", "the", "-n", "4", "--temp", "0", "-t", "1"]) == 0
+
+
+def test_saved_pack_keeps_what_its_predictors_read(tmp_path):
+    """A pack made from a Falcon file, saved and read back, still feeds its predictors the
+    residual stream; a pack claiming another input is refused with a clear error."""
+    from sparseinfer.sparse.pack import SparsityPack
+
+    pack = load("falcon-relu").sparsity
+    path = pack.save(tmp_path / "falcon.sparse")
+    back = SparsityPack.load(path)
+    assert [lp.predictor_reads for lp in back.layers] == ["residual"] * len(pack.layers)
+    assert back.layers[0].predictor().reads == "residual"
+    pack.layers[0].predictor_reads = "attention"
+    with pytest.raises(SparsityPackError, match="layer 0's predictor reads 'attention'; expected one of ffn_input, residual"):
+        pack.validate()
 
 
 def _copy_renaming(tmp_path: Path, kind: str, name: str) -> Path:

@@ -11,7 +11,7 @@ from ..kv_cache import DEFAULT_CACHE_TYPE, row_bytes
 from ..quant import FLOAT_FORMATS, QWeight, from_float
 from ..sparse.ffn import SparseFFN
 from ..kernels.torch_device import CHUNK_ELEMS, DEQUANT_BYTES_PER_ELEM, device_nbytes, qweight_device_nbytes
-from .ffn import FFNPart
+from .ffn import FFNPart, carried_predictor
 from .placement import CostModel, LayerCosts
 
 MiB = 1 << 20
@@ -71,7 +71,7 @@ def neuron_bytes(ffn: nn.Module) -> int:
 
 
 def predictor_device_bytes(ffn: nn.Module) -> int:
-    pred = getattr(ffn, "predictor", None)
+    pred = carried_predictor(ffn)
     return 0 if pred is None else pred.device_nbytes()
 
 
@@ -120,7 +120,7 @@ def cost_model(model, ctx_size: int, device_type: str = "cuda", cache_type: str 
         layers.append(LayerCosts(attn=device_bytes(block.attn), kv=n_seq * kv_bytes(c, ctx_size, cache_type), norms=norms,
                                  predictor=predictor_device_bytes(ffn), neuron=neuron_bytes(ffn),
                                  n_neurons=ffn.n_neurons, dense_ffn=dense_ffn_bytes(ffn)))
-        pred = getattr(ffn, "predictor", None)
+        pred = carried_predictor(ffn)
         pred_hidden = max(pred_hidden, 0 if pred is None else pred.hidden_size)
     head = device_bytes(model.norm) + device_bytes(model.head)
     n_ffn = max(lc.n_neurons for lc in layers) if layers else 0

@@ -103,6 +103,14 @@ def _done(value) -> Future:
     return f
 
 
+def carried_predictor(ffn):
+    """The predictor a split of `ffn` runs: its own, except one that reads the residual stream
+    (a PowerInfer Falcon or OPT file's), which is not carried over: the split then picks rows by the
+    exact activation (as under the pack's "first" policy)."""
+    pred = getattr(ffn, "predictor", None)
+    return None if pred is None or getattr(pred, "reads", "ffn_input") == "residual" else pred
+
+
 class HybridFFN(Module):
     """Drop-in for `MLP`/`SparseFFN`: hot neurons on `accel`, cold ones on the CPU.
 
@@ -145,7 +153,7 @@ class HybridFFN(Module):
         part, n = FFNPart.of(ffn), ffn.n_neurons
         hot = part.rows(0, n_hot, accel) if n_hot else None
         cold = part.rows(n_hot, n, "cpu") if n_hot < n else None
-        pred = ffn.predictor
+        pred = carried_predictor(ffn)
         if pred is not None and predictor_on_device:
             pred = pred.to(accel, torch_ops=True)
         return cls(hot, cold, ffn.act, ffn.act_name, accel, home, ffn.threshold, ffn.down.bias, pred, ffn.mode, worker)
@@ -169,7 +177,8 @@ class HybridFFN(Module):
             raise ValueError(f"unknown SparseFFN mode {mode!r}; expected one of {MODES}")
         self._mode = mode
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: unused (see `from_sparse`)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         single = x.dim() < 2 or x.shape[-2] == 1

@@ -25,7 +25,7 @@ from ..sparse.apply import ffn_slots
 from ..sparse.ffn import SparseFFN
 from .costs import DEVICE_CHUNK, HEAD_PIECE, kv_bytes
 from ..kernels.torch_device import ALLOC_ROUND, device_nbytes, matmul, qweight_device_nbytes
-from .ffn import CpuWorker, HybridFFN
+from .ffn import CpuWorker, HybridFFN, carried_predictor
 from .placement import Placement
 
 CPU = torch.device("cpu")
@@ -245,7 +245,7 @@ def _split_ffn(ffn: nn.Module, n_hot: int, accel: torch.device, home: torch.devi
                worker: CpuWorker) -> nn.Module:
     if not isinstance(ffn, SparseFFN):
         raise ValueError(f"neuron placement needs SparseFFN blocks, found {type(ffn).__name__}")
-    if n_hot == 0 and not (pred_on_device and ffn.predictor is not None):
+    if n_hot == 0 and not (pred_on_device and carried_predictor(ffn) is not None):
         return ffn  # all on the CPU: the SparseFFN as it is
     return HybridFFN.from_sparse(ffn, n_hot, accel, home, pred_on_device, worker)
 

@@ -37,11 +37,15 @@ ARCHS = {"llama": ("llama", "relu"), "bamboo": ("llama", "drelu"), "falcon": ("f
          "opt": ("opt", "relu")}
 ACTIVATION_DIR = "activation"
 GPU_INDEX_SUFFIX = ".generated.gpuidx"
+# OPT's learned position table has this many rows before position 0 (`models.opt.POSITION_OFFSET`)
+OPT_POSITION_ROWS_BEFORE_0 = 2
 
 
-def config_metadata(meta: dict[str, Any], path: Path) -> dict[str, Any]:
+def config_metadata(meta: dict[str, Any], path: Path, position_rows: int | None = None) -> dict[str, Any]:
     """A PowerInfer file's metadata as our GGUF config reader expects it: ``bamboo.*`` keys as
-    ``llama.*``, and the activation its architecture implies (``{arch}.hidden_act``)."""
+    ``llama.*``, and the activation its architecture implies (``{arch}.hidden_act``).  OPT:
+    PowerInfer's converter writes a fixed ``opt.context_length`` (2050, the position table of
+    its OPT checkpoints), so the context is taken from the table's rows (`position_rows`)."""
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UnsupportedError(f"{path}: PowerInfer file of architecture {arch!r}; sparseinfer runs PowerInfer's "
@@ -55,6 +59,8 @@ def config_metadata(meta: dict[str, Any], path: Path) -> dict[str, Any]:
                 out[f"{ours}.{k[len(prefix):]}"] = v
         out["general.architecture"] = ours
     out[f"{ours}.hidden_act"] = act
+    if arch == "opt" and position_rows is not None and position_rows > OPT_POSITION_ROWS_BEFORE_0:
+        out["opt.context_length"] = position_rows - OPT_POSITION_ROWS_BEFORE_0
     return out
 
 

@@ -180,7 +180,12 @@ class GGUFSource(WeightSource):
         self.reader = gguf_io.open_reader(self.path)
         self.metadata = gguf_io.read_metadata(self.reader)
         self.powerinfer = self.reader.powerinfer
-        meta = powerinfer.config_metadata(self.metadata, self.path) if self.powerinfer else self.metadata
+        if self.powerinfer:
+            pos = next((t for t in self.reader.tensors if t.name == "position_embd.weight"), None)
+            rows = gguf_io.logical_shape(pos)[0] if pos is not None and len(gguf_io.logical_shape(pos)) == 2 else None
+            meta = powerinfer.config_metadata(self.metadata, self.path, rows)
+        else:
+            meta = self.metadata
         self.config = _located(self.path, config_from_gguf, meta)
         self.family = self.config.family
         self._tensors = {t.name: t for t in self.reader.tensors}

@@ -1,6 +1,7 @@
 """Falcon family (7B multi-query; 40B/180B "new decoder architecture" with grouped KV, two norms).
 
-Attention and MLP read the same residual stream in parallel; fused qkv is split at load."""
+Attention and MLP read the same residual stream in parallel; fused qkv is split at load.  The
+MLP is also given that stream (``residual``): a PowerInfer file's predictors read it."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ class Block(Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         a = self.ln_attn(x)
         m = a if self.ln_mlp is None else self.ln_mlp(x)
-        return x + self.attn(a, positions, kv) + self.mlp(m)
+        return x + self.attn(a, positions, kv) + self.mlp(m, residual=x)
 
 
 

@@ -183,7 +183,9 @@ class MLP(Module):
             up = F.relu(up)
         return self.act(self.gate(x)) * up
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: the stream the block normalized into x; unused here (a sparse FFN's
+        predictor may read it: `sparse.ffn`)."""
         return self.down(self.hidden(x))
 
     def step(self, norm: nn.Module) -> decode_plan.FFNStep | None:

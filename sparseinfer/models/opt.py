@@ -1,4 +1,7 @@
-"""OPT family (the ReLU models PowerInfer's paper measured): learned positions, biases, LayerNorm."""
+"""OPT family (the ReLU models PowerInfer's paper measured): learned positions, biases, LayerNorm.
+
+The MLP is also given the residual stream it reads through its norm (``residual``): a
+PowerInfer file's predictors read it."""
 from __future__ import annotations
 
 import torch
@@ -29,9 +32,9 @@ class Block(Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         if self.pre_norm:
             h = x + self.attn(self.ln_attn(x), positions, kv)
-            return h + self.mlp(self.ln_ffn(h))
+            return h + self.mlp(self.ln_ffn(h), residual=h)
         h = self.ln_attn(x + self.attn(x, positions, kv))
-        return self.ln_ffn(h + self.mlp(h))
+        return self.ln_ffn(h + self.mlp(h, residual=h))
 
 
 

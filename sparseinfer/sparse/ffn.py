@@ -37,6 +37,10 @@ active keep each neuron's first, up and down_t rows in one contiguous *record*
 neuron in a single pass, up and down always on the kept rows.  Prefill's threshold-masked
 hidden activations come from one C pass (`kernels.cpu.hidden_rows`) where the mask is the
 threshold alone.
+A predictor that reads the residual stream (``predictor.reads == "residual"``: a PowerInfer
+Falcon or OPT file's, trained on the stream before a LayerNorm) is given that stream by the
+block (``ffn(x, residual=...)``); one token then picks its rows from it in Python and the C step
+runs on those rows (it never runs such a predictor itself).
 `density` (bench): force the active fraction to D: the top-D rows by predictor score, or a
 random set of rows per token (from a bank drawn once) when there is no predictor (speed only;
 see `_forced_rows`).
@@ -44,6 +48,7 @@ see `_forced_rows`).
 from __future__ import annotations
 
 import operator
+import time
 from dataclasses import dataclass
 
 import torch
@@ -325,18 +330,39 @@ class SparseFFN(Module):
         """The sparsified model's active set: |a| > t and h != 0."""
         return (a.abs() > self.threshold) & (h != 0)
 
-    def mask(self, x2: torch.Tensor, a: torch.Tensor, h: torch.Tensor, per_token: bool) -> torch.Tensor:
+    def mask(self, x2: torch.Tensor, a: torch.Tensor, h: torch.Tensor, per_token: bool,
+             p2: torch.Tensor | None = None) -> torch.Tensor:
         """Which neurons contribute, (M, n) bool.  Forced density: the top-D predicted rows
         only, per token (all rows for T > 1 without a predictor).  Otherwise the active set,
-        intersected with the per-token predicted set when `per_token`."""
+        intersected with the per-token predicted set when `per_token`.  p2: what the predictor
+        reads (`predictor_input`), default x2."""
+        p2 = x2 if p2 is None else p2
         if self.density is not None:
-            return self._predicted_mask(x2) if per_token else torch.ones_like(h, dtype=torch.bool)
+            return self._predicted_mask(p2) if per_token else torch.ones_like(h, dtype=torch.bool)
         mask = self.active_mask(a, h)
         if per_token and self.predictor is not None:
-            mask &= self.predictor.mask_batch(x2)
+            mask &= self.predictor.mask_batch(p2)
         return mask
 
-    def _dense(self, x2: torch.Tensor, per_token_predictor: bool) -> torch.Tensor:
+    @property
+    def reads_residual(self) -> bool:
+        """The predictor reads the residual stream, not this FFN's input (see the module docstring)."""
+        return self.predictor is not None and getattr(self.predictor, "reads", "ffn_input") == "residual"
+
+    def predictor_input(self, x2: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """(M, d) rows the predictor reads: x2, or the residual stream where it reads that (an
+        error when the caller did not pass it: its decisions would be made on the wrong input)."""
+        if not self.reads_residual:
+            return x2
+        if residual is None:
+            raise ValueError("this layer's predictor reads the residual stream before the FFN's norm (a PowerInfer "
+                             "Falcon or OPT file's); call the FFN with residual=the block's stream")
+        r2 = residual.reshape(-1, residual.shape[-1]).float().contiguous()
+        if r2.shape != x2.shape:
+            raise ValueError(f"residual stream of shape {tuple(r2.shape)} for FFN input {tuple(x2.shape)}")
+        return r2
+
+    def _dense(self, x2: torch.Tensor, per_token_predictor: bool, p2: torch.Tensor | None = None) -> torch.Tensor:
         if self._one_pass_hidden(x2, per_token_predictor):
             # activation, threshold mask, gating and un-permutation in one C pass (prefill)
             g, u = self._pre(x2)
@@ -344,7 +370,7 @@ class SparseFFN(Module):
                                        self.order if self.permuted else None, relu_up=self.act_name == "drelu")
             return self.down(h)
         a, h = self.hidden(x2)
-        mask = self.mask(x2, a, h, per_token_predictor)
+        mask = self.mask(x2, a, h, per_token_predictor, p2)
         if self.observer is not None:
             self.observer(self, x2, a, h, mask)
         h = h * mask
@@ -367,28 +393,47 @@ class SparseFFN(Module):
         return torch.zeros(x2.shape[0], self.n_neurons, dtype=torch.bool).scatter_(1, top, True)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the FFN's input; residual: the stream the block normalized into x (read only by a
+        predictor that reads it, `reads_residual`)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
         single = x.dim() < 2 or x.shape[-2] == 1  # one position per sequence: decode
+        p2 = self.predictor_input(x2, residual) if self.reads_residual else None
         if x2.shape[0] == 1 and self._mode in ("predict", "oracle") and self.observer is None:
-            return self.decode(x2[0]).view(*lead, -1)
+            return self.decode(x2[0], None if p2 is None else p2[0]).view(*lead, -1)
         per_token = self._mode == "faithful" or (self._mode == "predict" and single)
-        return self._dense(x2, per_token).view(*lead, -1)
+        return self._dense(x2, per_token, p2).view(*lead, -1)
 
     # ------------------------------------------------------------------ decode (one token)
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (d,) -> y (d,): predictor -> candidate rows -> sparse kernels (threshold applied
         within the candidates), through the C step where it applies (`step`), else the
-        reference (`reference_token`)."""
+        reference (`reference_token`).  residual (d,): what a residual-reading predictor reads."""
         step = self.step(None)
         if step is None or not x.is_cpu:
-            return self.reference_token(x)
+            return self.reference_token(x, residual)
         y = torch.empty(self.d_model)
-        step.run(x.float().contiguous(), y, self._oracle_rows(x) if self._mode == "oracle" else None)
+        if self._mode == "oracle":
+            rows = self._oracle_rows(x)
+        elif self.reads_residual:
+            rows = self._residual_rows(self.predictor_input(x[None], None if residual is None else residual[None])[0])
+        else:
+            rows = None
+        step.run(x.float().contiguous(), y, rows)
         return y
 
-    def reference_token(self, x: torch.Tensor) -> torch.Tensor:
+    def _residual_rows(self, r: torch.Tensor) -> torch.Tensor:
+        """A residual-reading predictor's rows for one token (int32 ascending; its k best under
+        a forced density), through the kernels the C step would use; counted in `stats`."""
+        t0 = time.perf_counter()
+        p = self.predictor
+        rows = p.top_rows(r, self._k()) if self.density is not None else p.active_rows(r)
+        self._stats.bytes += p.nbytes
+        self._stats.predictor_seconds += time.perf_counter() - t0
+        return rows
+
+    def reference_token(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`decode` by the slow, obvious one-token algorithm (`reference.sparse_ffn_token`)."""
         if self._mode == "oracle":
             rows = self._oracle_rows(x)
@@ -396,9 +441,10 @@ class SparseFFN(Module):
             rows = self._forced_rows(x)
         elif self.predictor is not None:
             p = self.predictor
+            xp = self.predictor_input(x[None], None if residual is None else residual[None])[0]
             # the predictor's first product through the kernels the C step uses on the CPU, so a
             # score at the cut decides the same way in both
-            rows = ref.predict_rows(x.float(), p.w1, p.b1, p.w2t, p.cut, self._k() if self.density is not None else 0,
+            rows = ref.predict_rows(xp.float(), p.w1, p.b1, p.w2t, p.cut, self._k() if self.density is not None else 0,
                                     matvec=cpu.gemv if x.is_cpu else None)
         else:
             rows = None
@@ -488,9 +534,9 @@ class SparseFFN(Module):
             self._add_counters(self._stats, old.stats)
         if self._mode not in ("predict", "oracle") or self.observer is not None or not decode_plan.available():
             return None
-        if norm is not None and (type(norm) is not RMSNorm or self._mode == "oracle"):
-            return None  # (oracle rows come from the normed input: `decode` passes them)
-        p = self.predictor
+        if norm is not None and (type(norm) is not RMSNorm or self._mode == "oracle" or self.reads_residual):
+            return None  # (oracle and residual-predicted rows come from `decode`, which passes them)
+        p = None if self.reads_residual else self.predictor  # (never run by C on the FFN input)
         if not decode_plan.on_cpu(self.first, self.up, self.down.weight, self.first_bias, self.up_bias, self.down.bias,
                                   None if norm is None else norm.weight, *(() if p is None else (p.w1, p.w2t))):
             return None
@@ -504,7 +550,7 @@ class SparseFFN(Module):
             second_bias=self.up_bias if gated else None, down_bias=self.down.bias, predictor=p,
             topk=self._k() if forced and p is not None else 0,
             fused=self._fusable or (forced and self._fusable_forced), gate_up_fused=self._dense_gate_up,
-            records=self._records_intact, forced_rows=self._forced_rows if forced and p is None else None,
+            records=self._records_intact, forced_rows=self._forced_rows if forced and self.predictor is None else None,
             norm_w=None if norm is None else norm.weight, eps=0.0 if norm is None else norm.eps)
 
     def __setattr__(self, name: str, value) -> None:
@@ -516,14 +562,15 @@ class SparseFFN(Module):
 
 
     # ------------------------------------------------------------------ reference
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Slow, obvious per-token computation of what `forward` computes in the current mode:
         dense hidden activations, masked by threshold (x predictor, unless `threshold` mode)."""
         x2 = x.reshape(-1, x.shape[-1]).float()
+        p2 = self.predictor_input(x2, residual)
         out = []
-        for row in x2:
+        for row, prow in zip(x2, p2):
             a, h = self.hidden(row[None])
-            mask = self.mask(row[None], a, h, per_token=self._mode in ("predict", "faithful"))
+            mask = self.mask(row[None], a, h, per_token=self._mode in ("predict", "faithful"), p2=prow[None])
             h = (h * mask)[:, self.inverse]
             out.append(h @ self.down.weight.dequantize().T + (0 if self.down.bias is None else self.down.bias))
         return torch.cat(out).view(*x.shape[:-1], -1)

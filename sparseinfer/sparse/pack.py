@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SparsityPackError
+from .predictor import READS
 
 FORMAT_VERSION = 1
 META_KEY = "sparseinfer.pack"
@@ -48,6 +49,9 @@ class LayerPack:
     # that keeps a PowerInfer file's predictor values (`sparse.powerinfer`): W2 in it, W1 (the
     # file's divided by the norm weight) in f32
     predictor_format: str = "q8"
+    # what the predictor reads (`predictor.READS`): the FFN's input, or the residual stream
+    # before the FFN's norm (a PowerInfer Falcon or OPT file's predictors, `sparse.powerinfer`)
+    predictor_reads: str = "ffn_input"
 
     @property
     def n_neurons(self) -> int:
@@ -62,7 +66,7 @@ class LayerPack:
 
         s = self.predictor_state
         return QPredictor(s["w1"], s["b1"], s["w2"], s["b2"], self.tau, fmt=self.predictor_format,
-                          w1_fmt=None if self.predictor_format == "q8" else "f32")
+                          w1_fmt=None if self.predictor_format == "q8" else "f32", reads=self.predictor_reads)
 
     @property
     def predictor_nbytes(self) -> int:
@@ -89,7 +93,8 @@ class SparsityPack:
         return {
             "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint, "model": self.model,
             "activation_source": self.activation_source, "calibration": self.calibration, "info": self.info,
-            "layers": [{"threshold": lp.threshold, "tau": lp.tau, "policy": lp.policy, "stats": lp.stats}
+            "layers": [{"threshold": lp.threshold, "tau": lp.tau, "policy": lp.policy, "stats": lp.stats,
+                        **({} if lp.predictor_reads == "ffn_input" else {"reads": lp.predictor_reads})}
                        for lp in self.layers],
         }
 
@@ -154,7 +159,7 @@ class SparsityPack:
                 pred = {k: tensors[f"layer.{i}.pred.{k}"].float() for k in PRED_KEYS}
             layers.append(LayerPack(float(lm["threshold"]), tensors[f"layer.{i}.freq"].float(),
                                     tensors[f"layer.{i}.order"].long(), pred, float(lm["tau"]), lm.get("stats", {}),
-                                    lm.get("policy", "predictor")))
+                                    lm.get("policy", "predictor"), predictor_reads=lm.get("reads", "ffn_input")))
         return cls(meta["fingerprint"], meta["model"], meta["activation_source"], layers,
                    meta.get("calibration", {}), meta.get("info", {}), path)
 
@@ -282,6 +287,8 @@ def _check_meta(meta, path) -> None:
                 raise _bad(path, f"layer {i} has {key} {_show(lm.get(key))}; expected a finite number")
         if lm.get("policy", "predictor") not in POLICIES:
             raise _bad(path, f"layer {i} has decode policy {_show(lm.get('policy'))}; expected one of {', '.join(POLICIES)}")
+        if lm.get("reads", "ffn_input") not in READS:
+            raise _bad(path, f"layer {i}'s predictor reads {_show(lm.get('reads'))}; expected one of {', '.join(READS)}")
         if not isinstance(lm.get("stats", {}), dict):
             raise _bad(path, f"layer {i}'s stats are not an object")
 
@@ -333,6 +340,8 @@ def _check_layer(lp: LayerPack, where, at: str) -> None:
         raise _bad(where, f"{at} has predictor cut (tau) {_show(lp.tau)}; it must be a finite number")
     if lp.policy not in POLICIES:
         raise _bad(where, f"{at} has decode policy {_show(lp.policy)}; expected one of {', '.join(POLICIES)}")
+    if lp.predictor_reads not in READS:
+        raise _bad(where, f"{at}'s predictor reads {_show(lp.predictor_reads)}; expected one of {', '.join(READS)}")
     _check_stats(lp.stats, where, at)
     n = lp.order.numel()
     if lp.order.dim() != 1 or n < 1 or lp.order.dtype.is_floating_point or lp.order.dtype == torch.bool:

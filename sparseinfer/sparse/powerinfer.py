@@ -15,9 +15,12 @@ no `.sparse` pack lies next to it; decode then runs through the usual sparse pat
   when the file's predictors are quantized.  With a threshold of 0 the decisions are PowerInfer's
   (except at a score of exactly 0, which PowerInfer computes and we skip; where the threshold
   is not 0 the division by rms(x) changes the rule, and the cut applies to the scaled score).
-  Falcon and OPT predictors read the input of a LayerNorm (mean removed, bias added), which no
-  change of weights maps onto its output: those layers decode under the exact ``first`` policy
-  (the first projection runs dense, ReLU picks the rows) and the file's predictors are not used.
+  Falcon and OPT predictors read the residual stream before a LayerNorm (Falcon: the block's
+  input; OPT: the stream before the FFN's norm; mean removed, bias added), which no change of
+  weights maps onto the LayerNorm's output: the pack keeps ``w1 = fc1``, ``w2 = fc2`` and marks
+  the predictor as reading the residual stream (``predictor_reads="residual"``), which those
+  blocks hand to their FFN; the cut is the threshold itself, PowerInfer's rule (but for a score
+  exactly at it).
 - **Neuron order.**  From PowerInfer's profile (``activation/activation_{i}.pt``): hottest
   first, frequencies = counts / the layer's largest count.  Else from its GPU split
   (``MODEL.generated.gpuidx``): the GPU neurons first, frequency 1, the others 0.  Else the
@@ -33,8 +36,9 @@ from ..errors import SparsityPackError
 from ..io import powerinfer as pi
 from .pack import SparsityPack, LayerPack
 
-# the norm before each family's FFN, whose weight the predictors' first layer is divided by
-_FFN_NORM = {"llama": "model.layers.{}.post_attention_layernorm.weight"}
+# the norm before each family's FFN, whose weight the predictors' first layer is divided by, or
+# None where the predictors read the residual stream before that norm as they are
+_FFN_NORM = {"llama": "model.layers.{}.post_attention_layernorm.weight", "falcon": None, "opt": None}
 _FLOAT_FORMATS = {"F32": "f32", "F16": "f16", "BF16": "f16"}
 
 
@@ -72,9 +76,10 @@ def pack_from_source(src) -> SparsityPack:
     c = src.config
     n_layers, d, n = c.num_hidden_layers, c.hidden_size, c.intermediate_size
     threshold = pi.threshold(src.metadata, src.path)
+    used = c.family in _FFN_NORM
     norm = _FFN_NORM.get(c.family)
     preds = []
-    for i in range(n_layers if norm is not None else 0):  # (no predictors used: none needed)
+    for i in range(n_layers if used else 0):  # (no predictors used: none needed)
         n1, n2 = pi.predictor_names(i)
         missing = [name for name in (n1, n2) if src.file_tensor_info(name) is None]
         if missing:
@@ -91,18 +96,22 @@ def pack_from_source(src) -> SparsityPack:
     layers = []
     for i, (freq, order) in enumerate(zip(freqs, orders)):
         stats = {"density": float(freq.mean())}
-        if norm is None:  # a LayerNorm before the predictor's input: the exact first projection instead
+        if not used:  # the predictors are not mapped for this family: the exact first projection instead
             layers.append(LayerPack(0.0, freq, order, None, 0.0, stats, "first"))
             continue
         fc1, fc2 = preds[i]
         r = fc1.shape[0]
         stats["hidden"] = r
-        g = src.tensor(norm.format(i)).float()
-        if bool((g == 0).any()):
-            raise _fail(src, f"layer {i}'s FFN norm has weights equal to 0, so its PowerInfer predictor (which reads "
-                             "the input before that norm) cannot be mapped onto the normalized input")
-        state = {"w1": fc1 / g, "b1": torch.zeros(r), "w2": fc2.index_select(0, order), "b2": torch.zeros(len(order))}
-        lp = LayerPack(0.0, freq, order, state, threshold or 0.0, stats, "predictor", predictor_format=fmt)
+        w1 = fc1.float()
+        if norm is not None:
+            g = src.tensor(norm.format(i)).float()
+            if bool((g == 0).any()):
+                raise _fail(src, f"layer {i}'s FFN norm has weights equal to 0, so its PowerInfer predictor (which "
+                                 "reads the input before that norm) cannot be mapped onto the normalized input")
+            w1 = w1 / g
+        state = {"w1": w1, "b1": torch.zeros(r), "w2": fc2.index_select(0, order), "b2": torch.zeros(len(order))}
+        lp = LayerPack(0.0, freq, order, state, threshold or 0.0, stats, "predictor", predictor_format=fmt,
+                       predictor_reads="ffn_input" if norm is not None else "residual")
         lp.stats["predictor_bytes"] = lp.predictor_nbytes
         layers.append(lp)
     pack = SparsityPack(
@@ -112,7 +121,7 @@ def pack_from_source(src) -> SparsityPack:
         activation_source="relu", layers=layers,
         calibration={"source": "PowerInfer file", "neuron_stats": stats_from},
         info={"powerinfer": {"sparse_threshold": threshold, "predictor_format": fmt,
-                             "predictors_used": norm is not None}},
+                             "predictors_used": used}},
         path=Path(src.path))
     pack.validate()
     return pack
@@ -143,9 +152,11 @@ def describe(src) -> list[str]:
     if missing:
         lines.append(f"predictors:   missing {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: "
                      "runs only with --dense or a pack from `sparseinfer prepare`")
-    elif c.family != "llama":
-        lines.append("predictors:   not used (they read the input of a LayerNorm): decode computes the first "
-                     "projection densely and ReLU picks the rows (exact)")
+    elif c.family not in _FFN_NORM:
+        lines.append("predictors:   not used: decode computes the first projection densely and ReLU picks the "
+                     "rows (exact)")
+    elif _FFN_NORM[c.family] is None:
+        lines.append("predictors:   used on the residual stream before the FFN's LayerNorm, as PowerInfer runs them")
     n_neurons = [c.intermediate_size] * c.num_hidden_layers
     try:
         _, _, stats_from = neuron_stats(src, n_neurons)

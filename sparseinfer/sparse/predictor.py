@@ -23,6 +23,10 @@ from ..kernels import cpu, torch_device
 from ..quant import from_float
 
 LADDER = (32, 64, 128, 256, 512, 1024)
+# What a predictor reads: the FFN's input (after its norm; every trained predictor), or the
+# residual stream the FFN reads through its norm (a PowerInfer Falcon/OPT file's predictors,
+# whose LayerNorm no change of weights folds away; the block passes that stream to the FFN)
+READS = ("ffn_input", "residual")
 
 
 # ---------------------------------------------------------------------------- bit packing
@@ -47,9 +51,13 @@ class QPredictor:
     """A trained predictor in q8 for our kernels; rows it returns are hotness-order ids."""
 
     def __init__(self, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
-                 tau: float, fmt: str = "q8", w1_fmt: str | None = None):
+                 tau: float, fmt: str = "q8", w1_fmt: str | None = None, reads: str = "ffn_input"):
         """Weights in `fmt`; W1 in `w1_fmt` when given (a float W1 computed from a file's
-        weights, kept in f32 so that rounding does not move scores across the cut)."""
+        weights, kept in f32 so that rounding does not move scores across the cut).  `reads`:
+        the input it was trained on (`READS`)."""
+        if reads not in READS:
+            raise ValueError(f"a predictor reads one of {READS}, not {reads!r}")
+        self.reads = reads
         r = w1.shape[0] if w1.dim() == 2 else -1
         if (r < 1 or tuple(b1.shape) != (r,) or w2.dim() != 2 or w2.shape[1] != r or w2.shape[0] < 1
                 or tuple(b2.shape) != (w2.shape[0],)):
