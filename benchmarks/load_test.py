@@ -267,23 +267,27 @@ async def two_turns(args, n_tokens: int) -> dict:
             "server_cached_tokens_total": float(cached[0].split()[1]) if cached else None}
 
 
-def spawn_server(spec: str, url: str) -> subprocess.Popen:
-    u = urlparse(url)
-    cmd = [sys.executable, "-m", "sparseinfer.server", *shlex.split(spec), "--host", u.hostname, "--port", str(u.port)]
-    print("starting:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+def wait_up(proc: subprocess.Popen, url: str, name: str, hint: str = "") -> subprocess.Popen:
+    """Return `proc` once GET `url` answers 200; exit if it dies or is not up in 300 s."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+            raise SystemExit(f"{name} exited with {proc.returncode}{hint}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url, timeout=1).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit("the server did not come up in 300 s")
+    raise SystemExit(f"{name} did not come up in 300 s")
+
+
+def spawn_server(spec: str, url: str) -> subprocess.Popen:
+    u = urlparse(url)
+    cmd = [sys.executable, "-m", "sparseinfer.server", *shlex.split(spec), "--host", u.hostname, "--port", str(u.port)]
+    print("starting:", " ".join(cmd), file=sys.stderr)
+    return wait_up(subprocess.Popen(cmd, stdout=subprocess.DEVNULL), url + "/health", "the server")
 
 
 def spawn_llama_cpp(path: str, url: str, threads: int, ctx: int) -> subprocess.Popen:
@@ -295,18 +299,7 @@ def spawn_llama_cpp(path: str, url: str, threads: int, ctx: int) -> subprocess.P
            "--interrupt_requests", "False"]  # its default cuts a running stream off when the next request comes
     print("starting:", " ".join(cmd), file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama_cpp.server exited with {proc.returncode} (pip install 'llama-cpp-python[server]')")
-        try:
-            if httpx.get(url + "/v1/models", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("llama_cpp.server did not come up in 300 s")
+    return wait_up(proc, url + "/v1/models", "llama_cpp.server", " (pip install 'llama-cpp-python[server]')")
 
 
 def loopback_only(url: str) -> None:

@@ -61,13 +61,9 @@ def test_a_row_does_not_depend_on_its_neighbours(tmp_path, qtype):
         assert torch.equal(swapped[0], together[3]) and torch.equal(swapped[1], together[0])
 
 
-@pytest.mark.skipif(not cpu.matmul_equals_gemv(), reason="multi-row products differ from one-row ones at this level")
-@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "F16")])
-def test_batched_rows_equal_the_one_token_path_bitwise(tmp_path, kind, qtype):
-    """The batched C steps (`decode_layers` with B caches) give each row exactly what the
-    one-token step gives that sequence alone: `serve --parallel N` and `--parallel 1` decode
-    the same tokens."""
-    model = _model(tmp_path, kind, qtype)
+def assert_rows_equal_alone(model):
+    """Three batched steps of PROMPTS' sequences (greedy): each row equals, bit for bit, the
+    one-token path on that sequence alone."""
     with torch.inference_mode():
         batched = _prefilled(model, PROMPTS, "f16")
         alone = _prefilled(model, PROMPTS, "f16")
@@ -77,6 +73,16 @@ def test_batched_rows_equal_the_one_token_path_bitwise(tmp_path, kind, qtype):
             for b, (t, c) in enumerate(zip(toks, alone)):
                 assert torch.equal(got[b], model(torch.tensor([[t]]), c)[0, -1]), b
             toks = [int(t) for t in got.argmax(-1)]
+
+
+@pytest.mark.skipif(not cpu.matmul_equals_gemv(), reason="multi-row products differ from one-row ones at this level")
+@pytest.mark.parametrize("kind,qtype", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "F16")])
+def test_batched_rows_equal_the_one_token_path_bitwise(tmp_path, kind, qtype):
+    """The batched C steps (`decode_layers` with B caches) give each row exactly what the
+    one-token step gives that sequence alone: `serve --parallel N` and `--parallel 1` decode
+    the same tokens."""
+    model = _model(tmp_path, kind, qtype)
+    assert_rows_equal_alone(model)
 
 
 @pytest.mark.skipif(not cpu.matmul_equals_gemv(), reason="multi-row products differ from one-row ones at this level")
@@ -91,15 +97,7 @@ def test_batched_rows_with_a_sparse_ffn_equal_the_one_token_path(tmp_path):
     for parent, name in ffn_slots(model):
         mlp = getattr(parent, name)
         setattr(parent, name, SparseFFN(mlp, 0.05, torch.randperm(mlp.n_neurons, generator=g)))
-    with torch.inference_mode():
-        batched = _prefilled(model, PROMPTS, "f16")
-        alone = _prefilled(model, PROMPTS, "f16")
-        toks = [30, 31, 32, 33]
-        for _ in range(3):
-            got = model.decode_batch(toks, batched)
-            for b, (t, c) in enumerate(zip(toks, alone)):
-                assert torch.equal(got[b], model(torch.tensor([[t]]), c)[0, -1]), b
-            toks = [int(t) for t in got.argmax(-1)]
+    assert_rows_equal_alone(model)
     assert all(getattr(p, n).step(p.ffn_norm).stats.tokens > 0 for p, n in ffn_slots(model))
 
 

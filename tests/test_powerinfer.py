@@ -241,19 +241,24 @@ def test_neuron_order_from_gpu_split():
         assert k == 40 and bool(m[f.order[:k]].all()) and not bool(m[f.order[k:]].any())
 
 
+def half_split(llm):
+    """Place `llm` on torch's CPU as a stand-in device with room for everything but the FFN
+    neurons, and half of those: (the hybrid model, its placement)."""
+    from sparseinfer.hybrid.costs import cost_model
+
+    c = cost_model(llm.model, CTX, "cpu", cache_type="f32")
+    budget = (c.scratch + c.head + sum(lc.core + lc.predictor + c.ffn_overhead for lc in c.layers)
+              + sum(lc.neuron * lc.n_neurons for lc in c.layers) // 2)
+    return place_model(llm.model, "cpu", budget, CTX, NeuronStats.from_pack(llm.sparsity), group_size=16,
+                       use_cache=False, cache_type="f32")
+
+
 def test_hybrid_placement_puts_hot_neurons_on_the_device(tokens):
     """Torch on the CPU standing in for the accelerator: the split computes the CPU-only model,
     and the device part of each layer is its hottest neurons."""
-    from sparseinfer.hybrid.costs import cost_model
-
     llm = load("llama-relu")
     want = run(llm.model, tokens, 1)
-    c = cost_model(llm.model, CTX, "cpu", cache_type="f32")
-    # everything but the FFN neurons, and half of those
-    budget = (c.scratch + c.head + sum(lc.core + lc.predictor + c.ffn_overhead for lc in c.layers)
-              + sum(lc.neuron * lc.n_neurons for lc in c.layers) // 2)
-    hm, p = place_model(llm.model, "cpu", budget, CTX, NeuronStats.from_pack(llm.sparsity), group_size=16,
-                        use_cache=False, cache_type="f32")
+    hm, p = half_split(llm)
     assert p.mode == "neurons" and 0 < sum(p.n_hot) < sum(p.n_neurons)
     torch.testing.assert_close(run(hm, tokens, 1), want, atol=1e-4, rtol=1e-4)
     for i, k in enumerate(p.n_hot):  # the device part (a prefix in hotness order): the most counted neurons
@@ -265,14 +270,8 @@ def test_hybrid_placement_puts_hot_neurons_on_the_device(tokens):
 def test_hybrid_falcon_picks_rows_by_relu(tokens):
     """A split Falcon layer does not carry the residual-reading predictor over: the split
     computes every active neuron (the dense model)."""
-    from sparseinfer.hybrid.costs import cost_model
-
     llm = load("falcon-relu")
-    c = cost_model(llm.model, CTX, "cpu", cache_type="f32")
-    budget = (c.scratch + c.head + sum(lc.core + lc.predictor + c.ffn_overhead for lc in c.layers)
-              + sum(lc.neuron * lc.n_neurons for lc in c.layers) // 2)
-    hm, p = place_model(llm.model, "cpu", budget, CTX, NeuronStats.from_pack(llm.sparsity), group_size=16,
-                        use_cache=False, cache_type="f32")
+    hm, p = half_split(llm)
     assert p.mode == "neurons" and 0 < sum(p.n_hot) < sum(p.n_neurons)
     want = hf_logits(hf_reference("falcon-relu"), tokens)
     torch.testing.assert_close(run(hm, tokens, 1), want, atol=2e-3, rtol=2e-3)

@@ -119,7 +119,8 @@ class CausalLM(Module):
         buf = None
         for i, layer in enumerate(self.layers):
             kvs = [c.layers[i] for c in caches]
-            on_cpu = all(kv.on_cpu for kv in kvs) and len({kv.kv_code for kv in kvs}) == 1
+            on_cpu = kvs[0].on_cpu if not rows else (
+                all(kv.on_cpu for kv in kvs) and len({kv.kv_code for kv in kvs}) == 1)
             steps = layer.steps() if hasattr(layer, "steps") and on_cpu else None
             if steps is None:
                 if buf is not None:
