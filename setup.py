@@ -21,6 +21,7 @@ SOURCES = [
     "sparseinfer/csrc/quant.c",
     "sparseinfer/csrc/dense.c",
     "sparseinfer/csrc/sparse.c",
+    "sparseinfer/csrc/cols.c",
     "sparseinfer/csrc/norm_attn.c",
     "sparseinfer/csrc/probe.c",
     "sparseinfer/csrc/decode.c",

@@ -242,6 +242,81 @@ def unpack_q6(qs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclass
+class ColWeight:
+    """A (rows, cols) weight grouped by input channel (column) for input-sparse products: the
+    weights of one input are contiguous, so a kernel that skips an input skips its bytes.
+
+    Format ``cq4`` holds exactly the values of a row-major ``q4`` weight: value(r, j) =
+    d[g, r] * q + m[g, r] with g = j // 32, q in 0..15.  ``qs`` is uint8 ``(G * 32, Np // 2)``
+    (row j of qs is column j of W; G = ceil(cols / 32), Np = rows rounded up to 64); ``d``
+    and ``m`` are f16 ``(G, Np)``.  Within a column, rows go in blocks of 128 (64 bytes; the
+    last block is 64 rows, 32 bytes, when Np is not a multiple of 128); in a block of R rows
+    with L = R // 32 lanes, byte ``16 l + 4 k + i`` holds row ``4 L k + 4 l + i`` in its low
+    nibble and row ``R // 2 + 4 L k + 4 l + i`` in its high nibble (`col_byte_positions`; the
+    C kernels' dword order, csrc/cols.c).  Padding rows and columns are zero."""
+
+    rows: int
+    cols: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    fmt: str = "cq4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def np(self) -> int:
+        return (self.rows + 63) // 64 * 64
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def dequantize(self) -> torch.Tensor:
+        """Reference: the (rows, cols) float32 matrix."""
+        byte, hi = col_byte_positions(self.np)
+        v = self.qs[:, byte].long()
+        q = torch.where(hi, v >> 4, v & 15).float()              # (G*32, Np): q[j, r]
+        g = q.shape[0] // BLOCK
+        w = q.view(g, BLOCK, -1) * self.d.float()[:, None, :] + self.m.float()[:, None, :]
+        return w.reshape(g * BLOCK, -1)[: self.cols, : self.rows].t().contiguous()
+
+
+@functools.lru_cache(maxsize=8)
+def col_byte_positions(np_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row r < np_rows of a `ColWeight` column: the byte (within the column) holding it
+    and whether it is the high nibble."""
+    byte, hi = torch.empty(np_rows, dtype=torch.long), torch.empty(np_rows, dtype=torch.bool)
+    for b0 in range(0, np_rows, 128):
+        R = 128 if np_rows - b0 >= 128 else 64
+        L = R // 32
+        for rho in range(R):
+            k, rem = divmod(rho % (R // 2), 4 * L)
+            byte[b0 + rho] = b0 // 2 + (rem // 4) * 16 + 4 * k + rem % 4
+            hi[b0 + rho] = rho >= R // 2
+    return byte, hi
+
+
+def to_cols(w: QWeight) -> ColWeight:
+    """The `ColWeight` of a row-major q4 weight: the same values, grouped by input channel."""
+    if w.fmt != "q4":
+        raise ValueError(f"column-grouped weights are made from q4 weights, not {w.fmt}")
+    np_rows = (w.rows + 63) // 64 * 64
+    q = torch.zeros(np_rows, padded(w.cols), dtype=torch.uint8)
+    q[: w.rows] = unpack_nibbles(w.qs[:, : padded(w.cols) // 2])
+    qt = q.t()                                                   # (Kp, Np): column j's rows
+    byte, hi = col_byte_positions(np_rows)
+    qs = torch.zeros(qt.shape[0], np_rows // 2, dtype=torch.uint8)
+    qs[:, byte[~hi]] = qt[:, ~hi]
+    qs[:, byte[hi]] |= qt[:, hi] << 4
+    scales = lambda t: torch.nn.functional.pad(t[:, : padded(w.cols) // BLOCK].float().t(),  # noqa: E731
+                                               (0, np_rows - w.rows)).to(torch.float16).contiguous()
+    return ColWeight(w.rows, w.cols, qs, scales(w.d), scales(w.m))
+
+
 def dequantize(w: QWeight) -> torch.Tensor:
     if w.fmt in FLOAT_FORMATS:
         return w.qs.float()

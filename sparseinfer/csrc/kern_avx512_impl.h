@@ -866,3 +866,108 @@ static uint64_t read_sum(const uint8_t *p, int64_t nbytes) {
     for (; i < nbytes; i++) acc += p[i];
     return acc;
 }
+
+/* ------------------------------------------------------- column-grouped q4 (cols.c) */
+
+/* Four columns' bytes a, b, c, d (low or high nibbles, one per byte) -> dword lanes of four
+ * bytes (a, b, c, d) of one row each, multiplied by (qa, qb, qc, qd) and added to s[0..3]: the
+ * two unpack steps put 16 consecutive rows in each s[k] given the layout cols.c describes. */
+AI void cols_quad512(__m512i a, __m512i b, __m512i c, __m512i d, __m512i xv, __m512i *s) {
+    const __m512i abl = _mm512_unpacklo_epi8(a, b), abh = _mm512_unpackhi_epi8(a, b);
+    const __m512i cdl = _mm512_unpacklo_epi8(c, d), cdh = _mm512_unpackhi_epi8(c, d);
+    s[0] = DP512(s[0], _mm512_unpacklo_epi16(abl, cdl), xv);
+    s[1] = DP512(s[1], _mm512_unpackhi_epi16(abl, cdl), xv);
+    s[2] = DP512(s[2], _mm512_unpacklo_epi16(abh, cdh), xv);
+    s[3] = DP512(s[3], _mm512_unpackhi_epi16(abh, cdh), xv);
+}
+
+AI void cols_quad256(__m256i a, __m256i b, __m256i c, __m256i d, __m256i xv, __m256i *s) {
+    const __m256i abl = _mm256_unpacklo_epi8(a, b), abh = _mm256_unpackhi_epi8(a, b);
+    const __m256i cdl = _mm256_unpacklo_epi8(c, d), cdh = _mm256_unpackhi_epi8(c, d);
+    s[0] = DP256(s[0], _mm256_unpacklo_epi16(abl, cdl), xv);
+    s[1] = DP256(s[1], _mm256_unpackhi_epi16(abl, cdl), xv);
+    s[2] = DP256(s[2], _mm256_unpacklo_epi16(abh, cdh), xv);
+    s[3] = DP256(s[3], _mm256_unpackhi_epi16(abh, cdh), xv);
+}
+
+/* y[r0 + i] += dx * d * acc + m * sx for 16 rows */
+AI void cols_finish16(__m512i acc, const uint16_t *dq, const uint16_t *mq, __m512 vdx, __m512 vsx, float *y) {
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dq));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mq));
+    const __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(vdx, dv), _mm512_cvtepi32_ps(acc), _mm512_loadu_ps(y));
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(mv, vsx, t));
+}
+
+#ifndef COLS_AHEAD
+#define COLS_AHEAD 128 /* bytes of each column prefetched ahead */
+#endif
+
+/* A block of rows at a time with its sums in registers, the kept columns four at a time (a
+ * last incomplete quad repeats a column with weight 0 on it); each column streams in order,
+ * prefetched a little ahead (a group's kept columns are up to 32 streams, more than the
+ * hardware prefetchers follow).  Sums stay in registers: a version streaming one quad over all
+ * rows into sums in memory was slower for every shape measured. */
+static void cols_group(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na, const uint16_t *dq,
+                       const uint16_t *mq, float dx, float sx, int32_t *acc, float *y) {
+    (void)acc; /* the sums stay in registers */
+    const int64_t cb = Np / 2, full = Np / 128 * 128;
+    const int nq = (na + 3) / 4;
+    const uint8_t *p[32];
+    uint32_t xw[8];
+    for (int q = 0; q < nq; q++) {
+        xw[q] = 0;
+        for (int t = 0; t < 4; t++) {
+            const int j = 4 * q + t;
+            p[j] = g + (int64_t)cs[j < na ? j : 4 * q] * cb;
+            xw[q] |= (uint32_t)(uint8_t)(j < na ? qx[j] : 0) << (8 * t);
+        }
+    }
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const __m512 vdx = _mm512_set1_ps(dx), vsx = _mm512_set1_ps(sx);
+    for (int64_t b = 0; b < full; b += 128) {
+        __m512i lo[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        __m512i hi[4] = {lo[0], lo[0], lo[0], lo[0]};
+        for (int q = 0; q < nq; q++) {
+            const uint8_t *const *pq = p + 4 * q;
+            const __m512i xv = _mm512_set1_epi32((int)xw[q]);
+            for (int t = 0; t < 4; t++) _mm_prefetch((const char *)(pq[t] + b / 2 + COLS_AHEAD), _MM_HINT_T0);
+            const __m512i a = _mm512_loadu_si512(pq[0] + b / 2), bb = _mm512_loadu_si512(pq[1] + b / 2);
+            const __m512i c = _mm512_loadu_si512(pq[2] + b / 2), d = _mm512_loadu_si512(pq[3] + b / 2);
+            cols_quad512(_mm512_and_si512(a, m15), _mm512_and_si512(bb, m15), _mm512_and_si512(c, m15),
+                         _mm512_and_si512(d, m15), xv, lo);
+            cols_quad512(_mm512_and_si512(_mm512_srli_epi16(a, 4), m15), _mm512_and_si512(_mm512_srli_epi16(bb, 4), m15),
+                         _mm512_and_si512(_mm512_srli_epi16(c, 4), m15), _mm512_and_si512(_mm512_srli_epi16(d, 4), m15),
+                         xv, hi);
+        }
+        for (int k = 0; k < 4; k++) {
+            cols_finish16(lo[k], dq + b + 16 * k, mq + b + 16 * k, vdx, vsx, y + b + 16 * k);
+            cols_finish16(hi[k], dq + b + 64 + 16 * k, mq + b + 64 + 16 * k, vdx, vsx, y + b + 64 + 16 * k);
+        }
+    }
+    if (full < Np) { /* the last block of 64 rows */
+        const __m256i m15h = _mm256_set1_epi8(15);
+        __m256i lo[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i hi[4] = {lo[0], lo[0], lo[0], lo[0]};
+        for (int q = 0; q < nq; q++) {
+            const uint8_t *const *pq = p + 4 * q;
+            const __m256i xv = _mm256_set1_epi32((int)xw[q]);
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(pq[0] + full / 2));
+            const __m256i bb = _mm256_loadu_si256((const __m256i *)(pq[1] + full / 2));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(pq[2] + full / 2));
+            const __m256i d = _mm256_loadu_si256((const __m256i *)(pq[3] + full / 2));
+            cols_quad256(_mm256_and_si256(a, m15h), _mm256_and_si256(bb, m15h), _mm256_and_si256(c, m15h),
+                         _mm256_and_si256(d, m15h), xv, lo);
+            cols_quad256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m15h), _mm256_and_si256(_mm256_srli_epi16(bb, 4), m15h),
+                         _mm256_and_si256(_mm256_srli_epi16(c, 4), m15h), _mm256_and_si256(_mm256_srli_epi16(d, 4), m15h),
+                         xv, hi);
+        }
+        /* 8 rows per 256-bit sum: rows full + 8k (low nibbles) and full + 32 + 8k (high) */
+        int32_t t[64];
+        for (int k = 0; k < 4; k++) {
+            _mm256_storeu_si256((__m256i *)(t + 8 * k), lo[k]);
+            _mm256_storeu_si256((__m256i *)(t + 32 + 8 * k), hi[k]);
+        }
+        for (int k = 0; k < 4; k++)
+            cols_finish16(_mm512_loadu_si512(t + 16 * k), dq + full + 16 * k, mq + full + 16 * k, vdx, vsx, y + full + 16 * k);
+    }
+}

@@ -150,6 +150,27 @@ static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
+/* gemv_cols(rows, cols, qs, d, m, x, thr, y) -> inputs kept: a column-grouped q4 weight (cols.c);
+ * the caller (sparseinfer/kernels/cpu.py) has checked the buffers' sizes */
+static PyObject *py_gemv_cols(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    cmat_t w;
+    int64_t rows, cols;
+    void *qs, *d, *m, *x, *y;
+    double thr;
+    if (!nargs_ok(na, 8, "gemv_cols") || get_i64(a[0], &rows) || get_i64(a[1], &cols) || get_ptr(a[2], &qs) ||
+        get_ptr(a[3], &d) || get_ptr(a[4], &m) || get_ptr(a[5], &x) || get_ptr(a[7], &y))
+        return NULL;
+    thr = PyFloat_AsDouble(a[6]);
+    if (thr == -1.0 && PyErr_Occurred()) return NULL;
+    if (si_cmat_init(&w, rows, cols, qs, d, m) != 0 || !x || !y)
+        return PyErr_Format(PyExc_ValueError, "invalid column-grouped weight or null pointer");
+    int64_t kept;
+    Py_BEGIN_ALLOW_THREADS
+    kept = si_gemv_cols(&w, x, (float)thr, y);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong((long long)kept);
+}
+
 /* sparse_ffn(act, gate (0 = none), up, down_t, x, idx, n, y) */
 static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t g, u, dn;
@@ -606,6 +627,7 @@ static PyMethodDef methods[] = {
     {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(w, x, y)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
+    {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
     {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(w, h, idx, n, y)"},
     {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate, up, down_t, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},

@@ -20,6 +20,10 @@ void si_gemv(const qmat_t *w, const float *x, float *y);
 void si_matmul(const qmat_t *w, const float *X, int64_t M, float *Y);
 /* the same, token t's outputs at Y + t * ldy (ldy >= w->rows) */
 void si_matmul_ld(const qmat_t *w, const float *X, int64_t M, float *Y, int64_t ldy);
+/* y = W (x masked to |x_j| > thr) on a column-grouped weight, reading the kept columns only;
+ * returns how many inputs were kept (cols.c) */
+int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m);
+int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y);
 void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y);
 void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y);
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,

@@ -23,7 +23,7 @@ import ctypes
 from sparseinfer.kernels import reference
 from sparseinfer.kernels.cstructs import QMat, check_layout
 from sparseinfer.kv_cache import KV_CODES, row_bytes, storage_dtype
-from sparseinfer.quant import FORMATS, QWeight
+from sparseinfer.quant import FORMATS, ColWeight, QWeight
 
 try:
     from sparseinfer import _cpu
@@ -228,6 +228,29 @@ def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor, out: torch.Tenso
     y = _out(out, wt.cols)
     _cpu.axpy_rows(desc, h.data_ptr(), rows.data_ptr(), n, y.data_ptr())
     return y
+
+
+def gemv_cols(w: ColWeight, x: torch.Tensor, thr: float = -1.0, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, int]:
+    """(y[N] = W (x masked to |x_j| > thr), inputs kept) on a column-grouped weight, reading
+    the columns of the kept inputs only (thr < 0: all)."""
+    if not isinstance(w, ColWeight):
+        raise ValueError(f"expected a ColWeight, got {type(w).__name__}")
+    if _cpu is None:
+        _fallback()
+        y, kept = reference.gemv_cols(w, x, thr)
+        return _store(y.float(), out), kept
+    g = (w.cols + 31) // 32
+    _check_tensor(w.qs, "column weight qs", torch.uint8, (g * 32, w.np // 2))
+    _check_tensor(w.d, "column scales d", torch.float16, (g, w.np))
+    _check_tensor(w.m, "column mins m", torch.float16, (g, w.np))
+    if not (w.qs.is_contiguous() and w.d.is_contiguous() and w.m.is_contiguous()):
+        raise ValueError("column-grouped weight tensors must be contiguous")
+    x = _vec(x, w.cols)
+    y = _out(out, w.rows)
+    kept = _cpu.gemv_cols(w.rows, w.cols, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(),
+                          float(thr), y.data_ptr())
+    return y, kept
 
 
 _NO_GATE = 0  # no weight

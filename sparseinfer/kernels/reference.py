@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseinfer.quant import BLOCK, QWeight, padded, unpack_nibbles, unpack_q6
+from sparseinfer.quant import BLOCK, ColWeight, QWeight, padded, unpack_nibbles, unpack_q6
 
 INT_FORMATS = ("q8", "q4", "q6")
 
@@ -78,6 +78,34 @@ def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """y[wt.cols] = sum_j h[j] * Wt[rows[j]]."""
     return h.float() @ wt.dequantize()[rows.long()]
+
+
+def input_mask(x: torch.Tensor, thr: float) -> torch.Tensor:
+    """Input sparsity (TEAL): x with every value of magnitude <= thr set to zero."""
+    return torch.where(x.abs() > thr, x, torch.zeros((), dtype=x.dtype))
+
+
+def gemv_cols(w: ColWeight, x: torch.Tensor, thr: float) -> tuple[torch.Tensor, int]:
+    """(W input_mask(x, thr), inputs kept) in float64 (the model the fast kernel computes)."""
+    xm = input_mask(x.double(), thr)
+    return w.dequantize().double() @ xm, int((x.abs() > thr).sum())
+
+
+def gemv_cols_emulated(w: ColWeight, x: torch.Tensor, thr: float) -> torch.Tensor:
+    """`gemv_cols` with the fast kernel's rounding of x reproduced, in float64: per group of
+    32 inputs, the kept ones as int8 (d_x = max|x|/127 over them, q = round(x / d_x)); the
+    kernel differs from this only in summation order."""
+    xm = input_mask(x.float(), thr)
+    G = (w.cols + BLOCK - 1) // BLOCK
+    xp = torch.zeros(G * BLOCK)
+    xp[: w.cols] = xm
+    b = xp.view(G, BLOCK)
+    amax = b.abs().amax(-1, keepdim=True)
+    dx = amax / 127
+    q = torch.where(amax > 0, torch.round(b * torch.where(amax > 0, 127 / amax, 0 * amax)), 0 * b).clamp(-127, 127)
+    wq = torch.zeros(G * BLOCK, w.np, dtype=torch.float64)
+    wq[: w.cols, : w.rows] = w.dequantize().double().t()
+    return (wq.view(G, BLOCK, -1) * (dx.double() * q.double())[..., None]).sum((0, 1))[: w.rows]
 
 
 def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeight,

@@ -1,0 +1,149 @@
+/* Input-sparse products on column-grouped weights: y = W (x masked to |x_j| > thr), reading
+ * only the columns of the kept inputs.
+ *
+ * Why a second layout: the row-major formats (common.h) quantize along a row's inputs, so an
+ * input channel's weights are spread over every row in pieces of half a byte; skipping an
+ * input saves no bytes.  Here the weights of one input channel (a column of W) are
+ * contiguous, so a token whose input j is small skips column j's bytes.
+ *
+ * Layout (cmat_t, sparseinfer/quant.py `to_cols` is the authority):
+ *   W has N rows (outputs) and K columns (inputs); Np = N rounded up to 64, G = ceil(K/32)
+ *   groups of 32 input channels.  cq4 holds exactly the values of our row-major q4:
+ *   value(r, j) = d[g][r] * q + m[g][r], q in 0..15, g = j / 32, with d, m f16 (G x Np).
+ *   qs is G x 32 columns x Np/2 bytes: column j at qs + j * Np/2.  A column's rows go in
+ *   blocks of 128 (64 bytes), the last block of 64 rows (32 bytes) when Np is not a multiple
+ *   of 128.  In a block of R rows (L = R/32 lanes of 16 bytes), byte 16*l + 4*k + i holds row
+ *   4L*k + 4l + i in its low nibble and row R/2 + 4L*k + 4l + i in its high nibble
+ *   (l < L, k < 4, i < 4): the order in which four columns' bytes, interleaved by two
+ *   unpack steps, line up as dwords of consecutive rows for a 4-way byte dot product.
+ *   Padding rows and columns hold q = 0 with d = m = 0.
+ *
+ * The kept inputs of each group are quantized to int8 (d_x = max|x|/127 over the kept ones,
+ * q_x = round(x / d_x)), so a group contributes
+ *   y[r] += d_x * d[g][r] * sum_j q_x[j] q[r][j]  +  m[g][r] * d_x * sum_j q_x[j]
+ * with the integer sums exact.  The groups are cut into partitions whose count depends on G
+ * only; each partition sums its groups in order into its own vector and the vectors are added
+ * in partition order, so the result does not depend on the thread count. */
+#define _GNU_SOURCE
+#include "ops_internal.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int64_t si_cols_byte(int64_t rho, int64_t R, int *hi) {
+    const int64_t h = R / 2, L = R / 32, p = rho % h, k = p / (4 * L), rem = p % (4 * L);
+    *hi = rho >= h;
+    return (rem / 4) * 16 + 4 * k + rem % 4;
+}
+
+/* one group's columns at g (any level; see kernels_t.cols_group) */
+void si_cols_group_portable(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na,
+                            const uint16_t *d, const uint16_t *m, float dx, float sx, int32_t *acc, float *y) {
+    const int64_t cb = Np / 2;
+    memset(acc, 0, (size_t)Np * sizeof(int32_t));
+    for (int j = 0; j < na; j++) {
+        const uint8_t *col = g + (int64_t)cs[j] * cb;
+        const int32_t x = qx[j];
+        for (int64_t b0 = 0; b0 < Np; b0 += 128) {
+            const int64_t R = Np - b0 >= 128 ? 128 : 64;
+            for (int64_t rho = 0; rho < R; rho++) {
+                int hi;
+                const uint8_t v = col[b0 / 2 + si_cols_byte(rho, R, &hi)];
+                acc[b0 + rho] += x * (hi ? v >> 4 : v & 15);
+            }
+        }
+    }
+    for (int64_t r = 0; r < Np; r++) y[r] += dx * si_h2f(d[r]) * (float)acc[r] + si_h2f(m[r]) * sx;
+}
+
+#define COLS_MAX_PARTS 8
+
+typedef struct {
+    const kernels_t *k;
+    const cmat_t *w;
+    const float *x;
+    float thr;
+    int64_t G, nparts;
+    float *part;     /* nparts x Np partial sums */
+    int64_t *kept;   /* per partition: inputs kept */
+    float *y;
+} cols_ctx;
+
+static void cols_task(void *p, int64_t c) {
+    const cols_ctx *a = p;
+    const cmat_t *w = a->w;
+    const int64_t Np = w->np, K = w->cols, cb = Np / 2;
+    const int64_t g0 = a->G * c / a->nparts, g1 = a->G * (c + 1) / a->nparts;
+    int32_t *acc = scratch(7, (size_t)Np * sizeof(int32_t) + 64);
+    if (!acc) abort();
+    float *y = a->part + c * Np;
+    memset(y, 0, (size_t)Np * sizeof(float));
+    int64_t kept = 0;
+    for (int64_t g = g0; g < g1; g++) {
+        int32_t cs[32];
+        float xs[32], amax = 0.0f;
+        int na = 0;
+        for (int j = 0; j < 32 && g * 32 + j < K; j++) {
+            const float v = a->x[g * 32 + j];
+            if (fabsf(v) > a->thr) {
+                cs[na] = j, xs[na++] = v;
+                amax = fabsf(v) > amax ? fabsf(v) : amax;
+            }
+        }
+        if (!na || amax == 0.0f) continue;
+        kept += na;
+        const float dx = amax / 127.0f, id = 127.0f / amax;
+        int8_t qx[32];
+        int32_t sq = 0;
+        for (int j = 0; j < na; j++) {
+            const int32_t q = (int32_t)lrintf(xs[j] * id);
+            qx[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+            sq += qx[j];
+        }
+        const uint8_t *gp = w->qs + g * 32 * cb;
+        const uint16_t *d = w->d + g * Np, *m = w->m + g * Np;
+        const float sx = dx * (float)sq;
+        (a->k->cols_group ? a->k->cols_group : si_cols_group_portable)(gp, Np, qx, cs, na, d, m, dx, sx, acc, y);
+    }
+    a->kept[c] = kept;
+}
+
+static void cols_reduce_task(void *p, int64_t c) {
+    const cols_ctx *a = p;
+    const int64_t N = a->w->rows, Np = a->w->np, chunk = up((N + nthreads() - 1) / nthreads(), 16);
+    const int64_t r0 = c * chunk, r1 = r0 + chunk < N ? r0 + chunk : N;
+    for (int64_t r = r0; r < r1; r++) {
+        float s = a->part[r];
+        for (int64_t q = 1; q < a->nparts; q++) s += a->part[q * Np + r];
+        a->y[r] = s;
+    }
+}
+
+int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y) {
+    const int64_t G = (w->cols + 31) / 32, Np = w->np;
+    int64_t nparts = G < COLS_MAX_PARTS ? G : COLS_MAX_PARTS;
+    if (G >= 4 && nparts < 4) nparts = 4;
+    float *part = scratch(4, (size_t)(nparts * Np) * sizeof(float) + (size_t)nparts * 8 + 64);
+    if (!part) abort();
+    int64_t *kept = (int64_t *)(part + nparts * Np);
+    cols_ctx a = {si_kern(), w, x, thr, G, nparts, part, kept, y};
+    const int64_t bytes = G * 32 * (Np / 2);
+    run(cols_task, &a, nparts, bytes);
+    const int64_t chunk = up((w->rows + nthreads() - 1) / nthreads(), 16);
+    run(cols_reduce_task, &a, (w->rows + chunk - 1) / chunk, nparts * Np * 4);
+    int64_t total = 0;
+    for (int64_t q = 0; q < nparts; q++) total += kept[q];
+    return total;
+}
+
+int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m) {
+    if (rows < 1 || cols < 1 || !qs || !d || !m) return -1;
+    w->rows = rows;
+    w->cols = cols;
+    w->np = (rows + 63) / 64 * 64;
+    w->qs = qs;
+    w->d = d;
+    w->m = m;
+    return 0;
+}
