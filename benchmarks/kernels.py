@@ -14,7 +14,10 @@ Records cited by docs/performance.md (which gives the exact commands) are in ben
    sorted row ids), timed against the dense kernel reading the same bytes; sparse_ffn also on
    neuron records (q4/q8: one contiguous gate+up+down_t record per neuron).  q6 (GGUF Q6_K
    tensors) has row kernels only: gemv and gemv_rows.
-4. For the record: torch index_select + linear, torch linear, numba Q4 gemv.
+4. Input-sparse products on column-grouped q4 weights (`gemv_cols`, q4 only) on both shapes at
+   the same kept fractions of the inputs (random x, threshold at the quantile), against the
+   dense q4 gemv of the same shape.
+5. For the record: torch index_select + linear, torch linear, numba Q4 gemv.
 
 Every timing is the best of several passes (the machine may be shared).  --json writes a
 list of records {kernel, format, rows, cols, active_fraction, threads, seconds, gbps,
@@ -33,7 +36,7 @@ import time
 import torch
 
 from sparseinfer.kernels import cpu
-from sparseinfer.quant import QWeight, from_float
+from sparseinfer.quant import QWeight, from_float, to_cols
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 # (d_ff, d_model): gate/up and down_t are d_ff x d_model, down is d_model x d_ff
@@ -236,6 +239,18 @@ class Bench:
                 f"axpy_rows {t2 * 1e3:6.3f} ms ({t_down / t2:4.1f}x) sparse_ffn {t3 * 1e3:6.3f} ms "
                 f"({(2 * t_up + t_down) / t3:4.1f}x)" + msg)
         del ws, ffn, recs
+
+    # ------------------------------------------------------------------- input-sparse
+    def cols(self, dense_times):
+        for (rows, cols), t_dense in dense_times.items():
+            ws = [to_cols(w) for w in weight_set("q4", rows, cols, self.args.working_set, seed=rows + 1)]
+            x, y = torch.randn(cols), torch.empty(rows)
+            for frac in FRACTIONS:
+                thr = -1.0 if frac >= 1.0 else float(torch.quantile(x.abs(), 1.0 - frac))
+                t = self.rotate(ws, lambda w: cpu.gemv_cols(w, x, thr, out=y))
+                self.add("gemv_cols", "q4", rows, cols, frac, t, ws[0].nbytes, vs_dense=t / t_dense)
+                log(f"  gemv_cols q4 {rows}x{cols} kept {frac:4.2f}: {t * 1e3:6.3f} ms ({t_dense / t:4.2f}x the dense gemv)")
+            del ws
 
     # ------------------------------------------------------------------------ extras
     def extras(self, d_ff, d_model):
@@ -621,6 +636,8 @@ def main(argv=None):
             b.reprobe()
             t = b.dense(fmt, [(d_ff, d_model), (d_model, d_ff)])
             b.sparse(fmt, d_ff, d_model, t[(d_ff, d_model)], t[(d_model, d_ff)])
+            if fmt == "q4":
+                b.cols(t)
         if not args.no_extras:
             b.extras(d_ff, d_model)
         if name == models[0] and not args.no_gemm:

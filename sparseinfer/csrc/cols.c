@@ -62,7 +62,10 @@ void si_cols_group_portable(const uint8_t *g, int64_t Np, const int8_t *qx, cons
 typedef struct {
     const kernels_t *k;
     const cmat_t *w;
-    const float *x;
+    const float *x;       /* all inputs (threshold form), or the kept inputs' values (list form) */
+    int list;             /* 1: list form (idx, n), 0: threshold form (thr) */
+    const int32_t *idx;   /* list form: the kept inputs, ascending */
+    int64_t n;            /* list form: how many */
     float thr;
     int64_t G, nparts;
     float *part;     /* nparts x Np partial sums */
@@ -70,41 +73,89 @@ typedef struct {
     float *y;
 } cols_ctx;
 
+/* One group's kept inputs as the kernels take them: in-group column ids cs, int8 values qx
+ * (d_x = max|x|/127, q = round(x / d_x)), dx and sx = dx * sum(q); returns how many.  *pos
+ * walks the list form. */
+typedef struct {
+    int32_t cs[32];
+    int8_t qx[32];
+    float dx, sx;
+    int na;
+} group_in;
+
+static void group_inputs(const cols_ctx *a, int64_t g, int64_t *pos, group_in *gi) {
+    float xs[32], amax = 0.0f;
+    int na = 0;
+    if (a->list) {
+        for (; *pos < a->n && a->idx[*pos] < (g + 1) * 32; ++*pos) {
+            const float v = a->x[*pos];
+            gi->cs[na] = a->idx[*pos] - (int32_t)(g * 32), xs[na++] = v;
+            amax = fabsf(v) > amax ? fabsf(v) : amax;
+        }
+    } else {
+        const int64_t K = a->w->cols;
+        for (int j = 0; j < 32 && g * 32 + j < K; j++) {
+            const float v = a->x[g * 32 + j];
+            if (fabsf(v) > a->thr) {
+                gi->cs[na] = j, xs[na++] = v;
+                amax = fabsf(v) > amax ? fabsf(v) : amax;
+            }
+        }
+    }
+    gi->na = na;
+    if (!na || amax == 0.0f) { /* nothing kept, or only zeros: nothing to add */
+        gi->na = 0;
+        return;
+    }
+    const float id = 127.0f / amax;
+    int32_t sq = 0;
+    for (int j = 0; j < na; j++) {
+        const int32_t q = (int32_t)lrintf(xs[j] * id);
+        gi->qx[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        sq += gi->qx[j];
+    }
+    gi->dx = amax / 127.0f;
+    gi->sx = gi->dx * (float)sq;
+}
+
 static void cols_task(void *p, int64_t c) {
     const cols_ctx *a = p;
     const cmat_t *w = a->w;
-    const int64_t Np = w->np, K = w->cols, cb = Np / 2;
+    const int64_t Np = w->np, cb = Np / 2;
     const int64_t g0 = a->G * c / a->nparts, g1 = a->G * (c + 1) / a->nparts;
     int32_t *acc = scratch(7, (size_t)Np * sizeof(int32_t) + 64);
     if (!acc) abort();
     float *y = a->part + c * Np;
     memset(y, 0, (size_t)Np * sizeof(float));
-    int64_t kept = 0;
+    int64_t kept = 0, pos = 0;
+    if (a->list) { /* the first kept input of group g0 */
+        int64_t lo = 0, hi = a->n;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) / 2;
+            if (a->idx[mid] < g0 * 32) lo = mid + 1;
+            else hi = mid;
+        }
+        pos = lo;
+    }
+    /* the next group's inputs are chosen before this group runs, and the starts of its kept
+     * columns prefetched: short columns (a few hundred bytes) would otherwise begin with misses */
+    group_in in[2];
+    if (g0 < g1) group_inputs(a, g0, &pos, &in[0]);
     for (int64_t g = g0; g < g1; g++) {
-        int32_t cs[32];
-        float xs[32], amax = 0.0f;
-        int na = 0;
-        for (int j = 0; j < 32 && g * 32 + j < K; j++) {
-            const float v = a->x[g * 32 + j];
-            if (fabsf(v) > a->thr) {
-                cs[na] = j, xs[na++] = v;
-                amax = fabsf(v) > amax ? fabsf(v) : amax;
+        group_in *cur = &in[(g - g0) & 1], *next = &in[(g - g0 + 1) & 1];
+        if (g + 1 < g1) {
+            group_inputs(a, g + 1, &pos, next);
+            const uint8_t *gn = w->qs + (g + 1) * 32 * cb;
+            for (int j = 0; j < next->na; j++) {
+                __builtin_prefetch(gn + (int64_t)next->cs[j] * cb);
+                __builtin_prefetch(gn + (int64_t)next->cs[j] * cb + 64);
             }
         }
-        if (!na || amax == 0.0f) continue;
-        kept += na;
-        const float dx = amax / 127.0f, id = 127.0f / amax;
-        int8_t qx[32];
-        int32_t sq = 0;
-        for (int j = 0; j < na; j++) {
-            const int32_t q = (int32_t)lrintf(xs[j] * id);
-            qx[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
-            sq += qx[j];
-        }
-        const uint8_t *gp = w->qs + g * 32 * cb;
+        if (!cur->na) continue;
+        kept += cur->na;
         const uint16_t *d = w->d + g * Np, *m = w->m + g * Np;
-        const float sx = dx * (float)sq;
-        (a->k->cols_group ? a->k->cols_group : si_cols_group_portable)(gp, Np, qx, cs, na, d, m, dx, sx, acc, y);
+        (a->k->cols_group ? a->k->cols_group : si_cols_group_portable)(w->qs + g * 32 * cb, Np, cur->qx, cur->cs,
+                                                                      cur->na, d, m, cur->dx, cur->sx, acc, y);
     }
     a->kept[c] = kept;
 }
@@ -120,21 +171,30 @@ static void cols_reduce_task(void *p, int64_t c) {
     }
 }
 
-int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y) {
+static int64_t gemv_cols(cols_ctx *a) {
+    const cmat_t *w = a->w;
     const int64_t G = (w->cols + 31) / 32, Np = w->np;
     int64_t nparts = G < COLS_MAX_PARTS ? G : COLS_MAX_PARTS;
-    if (G >= 4 && nparts < 4) nparts = 4;
     float *part = scratch(4, (size_t)(nparts * Np) * sizeof(float) + (size_t)nparts * 8 + 64);
     if (!part) abort();
-    int64_t *kept = (int64_t *)(part + nparts * Np);
-    cols_ctx a = {si_kern(), w, x, thr, G, nparts, part, kept, y};
-    const int64_t bytes = G * 32 * (Np / 2);
-    run(cols_task, &a, nparts, bytes);
+    a->k = si_kern();
+    a->G = G, a->nparts = nparts, a->part = part, a->kept = (int64_t *)(part + nparts * Np);
+    run(cols_task, a, nparts, G * 32 * (Np / 2));
     const int64_t chunk = up((w->rows + nthreads() - 1) / nthreads(), 16);
-    run(cols_reduce_task, &a, (w->rows + chunk - 1) / chunk, nparts * Np * 4);
+    run(cols_reduce_task, a, (w->rows + chunk - 1) / chunk, nparts * Np * 4);
     int64_t total = 0;
-    for (int64_t q = 0; q < nparts; q++) total += kept[q];
+    for (int64_t q = 0; q < nparts; q++) total += a->kept[q];
     return total;
+}
+
+int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y) {
+    cols_ctx a = {NULL, w, x, 0, NULL, 0, thr, 0, 0, NULL, NULL, y};
+    return gemv_cols(&a);
+}
+
+void si_gemv_cols_list(const cmat_t *w, const float *h, const int32_t *idx, int64_t n, float *y) {
+    cols_ctx a = {NULL, w, h, 1, idx, n, 0.0f, 0, 0, NULL, NULL, y};
+    gemv_cols(&a);
 }
 
 int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m) {

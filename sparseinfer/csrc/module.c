@@ -171,6 +171,27 @@ static PyObject *py_gemv_cols(PyObject *self, PyObject *const *a, Py_ssize_t na)
     return PyLong_FromLongLong((long long)kept);
 }
 
+/* gemv_cols_list(rows, cols, qs, d, m, h, idx, n, y): idx checked ascending, distinct, in range */
+static PyObject *py_gemv_cols_list(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    cmat_t w;
+    int64_t rows, cols, n;
+    void *qs, *d, *m, *h, *idx, *y;
+    if (!nargs_ok(na, 9, "gemv_cols_list") || get_i64(a[0], &rows) || get_i64(a[1], &cols) || get_ptr(a[2], &qs) ||
+        get_ptr(a[3], &d) || get_ptr(a[4], &m) || get_ptr(a[5], &h) || get_ptr(a[6], &idx) || get_i64(a[7], &n) ||
+        get_ptr(a[8], &y))
+        return NULL;
+    if (si_cmat_init(&w, rows, cols, qs, d, m) != 0 || !y || (n > 0 && (!h || !idx)))
+        return PyErr_Format(PyExc_ValueError, "invalid column-grouped weight or null pointer");
+    if (n > 0 && check_rows(idx, n, cols)) return NULL;
+    for (int64_t i = 1; i < n; i++)
+        if (((const int32_t *)idx)[i] <= ((const int32_t *)idx)[i - 1])
+            return PyErr_Format(PyExc_ValueError, "input ids must be ascending and distinct (position %lld)", (long long)i);
+    Py_BEGIN_ALLOW_THREADS
+    si_gemv_cols_list(&w, h, idx, n < 0 ? 0 : n, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* sparse_ffn(act, gate (0 = none), up, down_t, x, idx, n, y) */
 static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na) {
     qmat_t g, u, dn;
@@ -628,6 +649,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
     {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
+    {"gemv_cols_list", (PyCFunction)(void (*)(void))py_gemv_cols_list, METH_FASTCALL, "column-grouped q4 product over listed inputs"},
     {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(w, h, idx, n, y)"},
     {"sparse_ffn", (PyCFunction)(void (*)(void))py_sparse_ffn, METH_FASTCALL, "sparse_ffn(act, gate, up, down_t, x, idx, n, y)"},
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "quantize(layout, x, K, q, d, s)"},

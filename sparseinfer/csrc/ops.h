@@ -24,6 +24,8 @@ void si_matmul_ld(const qmat_t *w, const float *X, int64_t M, float *Y, int64_t 
  * returns how many inputs were kept (cols.c) */
 int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m);
 int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y);
+/* y = sum_j h[j] * W[:, idx[j]] for the n inputs idx, ascending and distinct (cols.c) */
+void si_gemv_cols_list(const cmat_t *w, const float *h, const int32_t *idx, int64_t n, float *y);
 void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y);
 void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y);
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,

@@ -230,27 +230,44 @@ def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor, out: torch.Tenso
     return y
 
 
-def gemv_cols(w: ColWeight, x: torch.Tensor, thr: float = -1.0, out: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, int]:
-    """(y[N] = W (x masked to |x_j| > thr), inputs kept) on a column-grouped weight, reading
-    the columns of the kept inputs only (thr < 0: all)."""
+def _cols_args(w: ColWeight) -> tuple:
     if not isinstance(w, ColWeight):
         raise ValueError(f"expected a ColWeight, got {type(w).__name__}")
-    if _cpu is None:
-        _fallback()
-        y, kept = reference.gemv_cols(w, x, thr)
-        return _store(y.float(), out), kept
     g = (w.cols + 31) // 32
     _check_tensor(w.qs, "column weight qs", torch.uint8, (g * 32, w.np // 2))
     _check_tensor(w.d, "column scales d", torch.float16, (g, w.np))
     _check_tensor(w.m, "column mins m", torch.float16, (g, w.np))
     if not (w.qs.is_contiguous() and w.d.is_contiguous() and w.m.is_contiguous()):
         raise ValueError("column-grouped weight tensors must be contiguous")
+    return w.rows, w.cols, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr()
+
+
+def gemv_cols(w: ColWeight, x: torch.Tensor, thr: float = -1.0, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, int]:
+    """(y[N] = W (x masked to |x_j| > thr), inputs kept) on a column-grouped weight, reading
+    the columns of the kept inputs only (thr < 0: all)."""
+    if _cpu is None:
+        _fallback()
+        y, kept = reference.gemv_cols(w, x, thr)
+        return _store(y.float(), out), kept
+    args = _cols_args(w)
     x = _vec(x, w.cols)
     y = _out(out, w.rows)
-    kept = _cpu.gemv_cols(w.rows, w.cols, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(),
-                          float(thr), y.data_ptr())
-    return y, kept
+    return y, _cpu.gemv_cols(*args, x.data_ptr(), float(thr), y.data_ptr())
+
+
+def gemv_cols_list(w: ColWeight, h: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[N] = sum_j h[j] * W[:, idx[j]] on a column-grouped weight (idx ascending, distinct)."""
+    if _cpu is None:
+        _fallback()
+        return _store(reference.gemv_cols_list(w, h, idx).float(), out)
+    args = _cols_args(w)
+    idx = _rows(idx)
+    n = idx.numel()
+    h = _vec(h, n, "h")
+    y = _out(out, w.rows)
+    _cpu.gemv_cols_list(*args, h.data_ptr(), idx.data_ptr(), n, y.data_ptr())
+    return y
 
 
 _NO_GATE = 0  # no weight

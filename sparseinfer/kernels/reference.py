@@ -91,11 +91,17 @@ def gemv_cols(w: ColWeight, x: torch.Tensor, thr: float) -> tuple[torch.Tensor, 
     return w.dequantize().double() @ xm, int((x.abs() > thr).sum())
 
 
-def gemv_cols_emulated(w: ColWeight, x: torch.Tensor, thr: float) -> torch.Tensor:
-    """`gemv_cols` with the fast kernel's rounding of x reproduced, in float64: per group of
-    32 inputs, the kept ones as int8 (d_x = max|x|/127 over them, q = round(x / d_x)); the
-    kernel differs from this only in summation order."""
-    xm = input_mask(x.float(), thr)
+def gemv_cols_list(w: ColWeight, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """y = sum_j h[j] * W[:, idx[j]] in float64."""
+    return w.dequantize().double()[:, idx.long()] @ h.double()
+
+
+def gemv_cols_emulated(w: ColWeight, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """W (x where keep) with the fast kernels' rounding of x reproduced, in float64: per group
+    of 32 inputs, the kept ones as int8 (d_x = max|x|/127 over them, q = round(x / d_x)); the
+    kernels differ from this only in summation order.  `keep`: a boolean mask of the inputs
+    (`x.abs() > thr` for `gemv_cols`, the listed ones for `gemv_cols_list`)."""
+    xm = torch.where(keep, x.float(), torch.zeros(()))
     G = (w.cols + BLOCK - 1) // BLOCK
     xp = torch.zeros(G * BLOCK)
     xp[: w.cols] = xm
