@@ -31,12 +31,14 @@ class LLM:
     """A model ready to generate. Make one with `sparseinfer.load(path)`.
 
     sparsity: the `SparsityPack` the model runs with, or None (dense); placement: the
-    `Placement` of its parts on an accelerator, or None (all on the CPU)."""
+    `Placement` of its parts on an accelerator, or None (all on the CPU); notes: one-line
+    remarks about the load (e.g. a pack found but not used because it measured slower here)."""
 
     def __init__(self, model: CausalLM, tokenizer, source: WeightSource, ctx_size: int | None, info: LoadInfo,
                  sparsity=None, placement=None):
         self.model, self.tokenizer, self.source, self.info = model, tokenizer, source, info
         self.sparsity, self.placement = sparsity, placement
+        self.notes: list[str] = []  # what the load decided that a user should know (e.g. a pack left unused)
         limit = model.config.max_position_embeddings
         self.ctx_size = min(ctx_size, limit) if ctx_size else min(limit, 4096)
 
@@ -158,18 +160,19 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
         src.release_pages()  # the weights are copies in our formats: the file's pages need not stay mapped
         set_act_mode(act_mode, model)
         model.cache_type = cache_type
-        pack = None
+        pack, notes = None, []
         if not dense or density is not None:
             from .sparse.apply import apply_sparsity
 
             with torch.inference_mode():
-                pack = apply_sparsity(model, p, src, None if dense else sparse, density)
+                pack = apply_sparsity(model, p, src, None if dense else sparse, density, notes)
     finally:
         torch.set_num_threads(torch_threads)
         if bar is not None:
             bar.close()
     info = LoadInfo(p, time.perf_counter() - t0, src.fingerprint())
     llm = LLM(model, tok, src, ctx_size, info, sparsity=pack)
+    llm.notes = notes
     from .hybrid import prepare as place_on_device
 
     with torch.inference_mode():

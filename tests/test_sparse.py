@@ -557,3 +557,51 @@ def test_transpose_neuron_major_equals_whole_matrix_requantization(fmt):
     assert (fast.d is None) == (slow.d is None)
     if slow.d is not None:
         assert torch.equal(fast.d.view(torch.int16), slow.d.view(torch.int16))
+
+
+# ---------------------------------------------------------------------- speed check
+def test_speed_measure_records_both_modes_and_leaves_the_model_dense(tmp_path):
+    from sparseinfer.sparse import speed
+
+    model, src = tiny("llama", tmp_path)
+    pack = random_pack(model, src, thresholds=0.1, tau=0.2)
+    x = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = model(x, model.new_cache(16))
+        rec = speed.measure(model, pack, torch.arange(3, 19), tokens=4, rounds=2)
+        after = model(x, model.new_cache(16))
+    torch.testing.assert_close(after, before)
+    assert not sparse_ffns(model)
+    assert rec["dense_tok_s"] > 0 and rec["sparse_tok_s"] > 0
+    assert rec["speedup"] == pytest.approx(rec["sparse_tok_s"] / rec["dense_tok_s"], rel=0.02)
+    assert rec["cpu"] == speed.cpu_name() and rec["simd"] == cpu.simd_level() and rec["threads"] >= 1
+
+
+@pytest.mark.parametrize("recorded,used", [
+    ({"speedup": 0.8}, False),                      # measured slower on this CPU: dense
+    ({"speedup": 1.3}, True),                       # measured faster: used
+    ({"speedup": 0.8, "cpu": "another CPU"}, True),  # measured elsewhere: no verdict here
+    ({"speedup": 0.8, "simd": "another level"}, True),
+    ({"speedup": "0.8"}, True),                     # a malformed record counts as none
+    ({"speedup": float("nan")}, True),
+    (None, True),                                   # no measurement (`--no-speed-check`)
+])
+def test_a_pack_measured_slower_here_is_not_used_unless_named(tmp_path, recorded, used):
+    from sparseinfer.sparse import speed
+    from sparseinfer.sparse.apply import apply_sparsity, default_pack_path
+
+    model, src = tiny("llama", tmp_path)
+    pack = random_pack(model, src, thresholds=0.1, tau=0.2)
+    if recorded is not None:
+        pack.info["speed"] = {**speed.machine(), "dense_tok_s": 100.0, "sparse_tok_s": 80.0, "threads": 2, **recorded}
+    path = pack.save(default_pack_path(src.path))
+    notes = []
+    got = apply_sparsity(model, src.path, src, "auto", notes=notes)
+    assert (got is not None) == used and bool(sparse_ffns(model)) == used
+    if not used:
+        assert len(notes) == 1 and "slower than the dense model" in notes[0] and str(path) in notes[0]
+        assert "\n" not in notes[0]
+        # named explicitly, it is used anyway
+        assert apply_sparsity(model, src.path, src, str(path)) is not None and sparse_ffns(model)
+    else:
+        assert notes == []

@@ -78,6 +78,8 @@ def load_from_args(a: argparse.Namespace, report: bool = True, **overrides):
               cache_type=getattr(a, "cache_type", DEFAULT_CACHE_TYPE), progress=True)
     t0 = time.perf_counter()
     llm = load(getattr(a, "model", None), **(kw | overrides))
+    for note in llm.notes:
+        print(f"note: {note}", file=sys.stderr)
     if report and getattr(a, "verbose", False):
         print(f"loaded {llm.info.path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         if llm.sparsity is not None:
@@ -102,7 +104,10 @@ def build_from_args(a: argparse.Namespace, sparse: str | None = "auto"):
     src = open_source(path)
     with torch.inference_mode():
         model = build_model(src)
-        pack = None if sparse is None else apply_sparsity(model, path, src, sparse)
+        notes: list[str] = []
+        pack = None if sparse is None else apply_sparsity(model, path, src, sparse, notes=notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     return path, src, model, pack
 
 

@@ -24,6 +24,8 @@ def add_parser(subparsers):
     p.add_argument("-o", "--output", default=None, help="pack path (default: MODEL.sparse / FOLDER/sparsity.sparse)")
     p.add_argument("--no-plot", action="store_true", help="skip the activation-frequency PNG")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out perplexity check")
+    p.add_argument("--no-speed-check", action="store_true",
+                   help="skip decoding with and without the pack (a pack is then used wherever it is found)")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -33,7 +35,8 @@ def run(a) -> int:
 
     opts = PrepareOptions(data=a.data, target_sparsity=a.target_sparsity, max_ppl_increase=a.max_ppl_increase,
                           allocation=a.allocation, tokens=a.tokens, recall=a.recall, steps=a.steps, output=a.output,
-                          plot=False if a.no_plot else True, evaluate=not a.no_eval)
+                          plot=False if a.no_plot else True, evaluate=not a.no_eval,
+                          speed_check=not a.no_speed_check)
     if a.sizes:
         opts.sizes = tuple(int(s) for s in a.sizes.split(","))
     check_options(opts)  # the options first, then the data they need, then the load

@@ -155,10 +155,21 @@ def resolve_pack(model_path: str | os.PathLike, sparse, source=None):
     return pack
 
 
-def apply_sparsity(model: nn.Module, model_path, source, sparse="auto", density: float | None = None):
+def apply_sparsity(model: nn.Module, model_path, source, sparse="auto", density: float | None = None,
+                   notes: list[str] | None = None):
     """The engine's hook: find/check the pack named by `sparse` and sparsify the model with it
-    (or, with only a forced `density`, without one).  Returns the pack or None."""
+    (or, with only a forced `density`, without one).  Returns the pack or None.  A pack found
+    next to the model (`sparse="auto"`) that `prepare` measured slower than dense on this CPU
+    is not used; the reason is appended to `notes`."""
     pack = resolve_pack(model_path, sparse, source)
+    if pack is not None and sparse == "auto" and density is None:
+        from .speed import slower_here
+
+        why = slower_here(pack)
+        if why:
+            if notes is not None:
+                notes.append(why)
+            return None
     if pack is not None or density is not None:
         sparsify(model, pack, density=density)
     return pack

@@ -5,8 +5,10 @@
 2. profile: run the sparsified model over the calibration text, count per-neuron activations,
    order neurons by hotness; record FFN inputs (f16) and active masks (bits) per layer;
 3. predictors: per layer, the smallest-cost size from a ladder, tau tuned for the recall target;
-4. save the pack (+ activation-frequency plot), evaluate dense / thresholds / sparse perplexity
-   on the held-out slice, print a per-layer table.
+4. evaluate dense / thresholds / sparse perplexity on the held-out slice; decode with and
+   without the pack on this machine, alternated (`speed`: a pack measured slower than dense is
+   not used automatically here);
+5. save the pack (+ activation-frequency plot), print a per-layer table.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class PrepareOptions:
     output: str | None = None
     plot: str | bool = True                 # True: PNG next to the pack; a path; False: none
     evaluate: bool = True
+    speed_check: bool = True                # decode with and without the pack here (`speed.measure`)
     progress: bool = True
     seed: int = 0
     torch_threads: int = 1                  # torch ops next to the C kernels (see `make_pack`)
@@ -93,6 +96,13 @@ def _prepare(model, source, tokenizer, model_path: Path, opts: PrepareOptions, t
     cs = cal.calibration_set(tokenizer, opts.data, opts.tokens, opts.seq_len, opts.eval_tokens, opts.seq_len * 2,
                              opts.seed)
     pack = build_pack(model, source, cs, opts, model_path.name)
+    if opts.speed_check:
+        from .speed import measure
+
+        prompt = (cs.eval[0] if len(cs.eval) else cs.seqs[0])[:64]
+        if opts.progress:
+            print("measuring decode speed with and without the pack ...", flush=True)
+        pack.info["speed"] = measure(model, pack, prompt)
     if opts.plot:
         from .plots import plot_activation_frequency
 
@@ -238,6 +248,13 @@ def print_report(pack: SparsityPack, console=None) -> None:
         console.print(f"held-out perplexity ({ev['sequences']} x {ev['seq_len']} tokens): dense {d:.3f} | "
                       f"thresholds {ev['ppl_threshold']:.3f} ({100 * (ev['ppl_threshold'] / d - 1):+.2f}%) | "
                       f"sparse (predictors) {ev['ppl_sparse']:.3f} ({100 * (ev['ppl_sparse'] / d - 1):+.2f}%)")
+    sp = pack.info.get("speed")
+    if sp:
+        console.print(f"decode here ({sp['cpu']}, {sp['simd']}, {sp['threads']} threads): dense {sp['dense_tok_s']:.1f} "
+                      f"tok/s, with the pack {sp['sparse_tok_s']:.1f} tok/s ({sp['speedup']:.2f}x)")
+        if sp["speedup"] < 1.0:
+            console.print("the pack decodes slower than the dense model on this CPU: `run`, `chat`, `serve`, `bench` "
+                          f"and `ppl` will not use it here unless named with --sparse {pack.path}", style="bold")
     if "target_sparsity" in pack.info:
         console.print(f"threshold sparsity: {pack.info['target_sparsity']:.3f}")
     if "plot" in pack.info:
