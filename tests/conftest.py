@@ -23,6 +23,24 @@ def _restore_activation_mode():
     cpu.set_activation_mode(old)
 
 
+def _supported_levels() -> list[str]:
+    from sparseinfer.kernels import cpu
+
+    return cpu._cpu.supported_levels() if cpu.available() else []
+
+
+@pytest.fixture(params=_supported_levels())
+def level(request):
+    """Each SIMD kernel level this CPU supports, selected for the test (test_kernels.py overrides
+    this with every level in every activation mode)."""
+    from sparseinfer.kernels import cpu
+
+    old = cpu.simd_level()
+    cpu._cpu.set_simd_level(request.param)
+    yield request.param
+    cpu._cpu.set_simd_level(old)
+
+
 @pytest.fixture
 def precise_activations():
     """Two-term activations (about f32): for tests of model code against a dequantized f32

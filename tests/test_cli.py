@@ -84,11 +84,11 @@ def test_load_from_args_passes_the_options(monkeypatch):
     from sparseinfer import engine
     from sparseinfer.commands import args, build_parser
 
-    seen = {}
-    monkeypatch.setattr(engine, "load", lambda path, **kw: seen.update(path=path, **kw) or "llm")
+    seen, llm = {}, argparse.Namespace(notes=[])
+    monkeypatch.setattr(engine, "load", lambda path, **kw: seen.update(path=path, **kw) or llm)
     a = build_parser().parse_args(["run", "-m", "x.gguf", "-t", "3", "-c", "64", "--density", "0.25",
                                    "--act-mode", "int8", "-p", "hi"])
-    assert args.load_from_args(a) == "llm"
+    assert args.load_from_args(a) is llm
     assert seen == dict(path="x.gguf", ctx_size=64, threads=3, sparse="auto", dense=False, density=0.25,
                         device="auto", vram_budget=None, act_mode="int8", check_tensors=False, cache_type="f16",
                         progress=True)

@@ -12,7 +12,6 @@ from sparseinfer.quant import ColWeight, from_float, to_cols
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels not built")
 
-LEVELS = cpu._cpu.supported_levels() if cpu.available() else []
 # rows: multiples of 128, of 64 only (a 64-row last block), and neither (padding rows);
 # cols: whole and partial groups of 32
 SHAPES = [(64, 32), (128, 64), (192, 96), (200, 70), (576, 576), (1000, 33), (1536, 4096 + 96)]
@@ -25,14 +24,6 @@ def weight(rows, cols, seed=0):
 
 def vec(n, seed=1):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    old = cpu.simd_level()
-    cpu._cpu.set_simd_level(request.param)
-    yield request.param
-    cpu._cpu.set_simd_level(old)
 
 
 @pytest.fixture

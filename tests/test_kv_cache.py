@@ -19,15 +19,6 @@ from test_decode_step import Count, stepwise
 from tiny import hf_model, save_folder
 
 needs_core = pytest.mark.skipif(not cpu.available(), reason="needs the compiled kernels")
-LEVELS = cpu._cpu.supported_levels() if cpu.available() else []
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    old = cpu.simd_level()
-    cpu._cpu.set_simd_level(request.param)
-    yield request.param
-    cpu._cpu.set_simd_level(old)
 
 
 def rand(*shape, seed=0, scale=1.0):
