@@ -120,6 +120,8 @@ def replica_app(opts: ReplicaOptions, replica: str):
 
     llm = load(opts.model, ctx_size=opts.ctx_size, threads=opts.threads, sparse=opts.sparse, dense=opts.dense,
                n_seq=opts.parallel, act_mode=opts.act_mode, cache_type=opts.cache_type)
+    for note in llm.notes:  # the replica's log, as the CLI prints them
+        print(f"note: {note}", file=sys.stderr)
     settings = Settings.for_model(llm, opts.model, opts.alias, os.environ.get(opts.api_key_env) or None,
                                   opts.server_limits())
     engine = Engine(llm, opts.parallel, opts.max_queue, prefill_chunk=opts.prefill_chunk,

@@ -35,12 +35,14 @@ def machine() -> dict:
 
 
 def _decode_seconds(model, prompt: torch.Tensor, n: int) -> float:
-    """Seconds per token of n one-token steps after prefilling `prompt` (teacher-forced tokens:
-    decode speed does not depend on which tokens are fed)."""
-    cache = model.new_cache(len(prompt) + n + 1)
+    """Seconds per token of n one-token steps after prefilling `prompt` and one untimed step
+    (which builds the decode plans); teacher-forced tokens: decode speed does not depend on
+    which tokens are fed."""
+    cache = model.new_cache(len(prompt) + n + 2)
     with torch.inference_mode():
         model(prompt[None], cache, last_only=True)
         feed = prompt.tolist()
+        model(torch.tensor([[feed[-1]]]), cache)
         t0 = time.perf_counter()
         for i in range(n):
             model(torch.tensor([[feed[i % len(feed)]]]), cache)
