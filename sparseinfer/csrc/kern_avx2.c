@@ -765,8 +765,80 @@ void si_act_avx2(int act, float *v, int64_t n) {
     }
 }
 
+/* ------------------------------------------------------- column-grouped q4 (cols.c) */
+
+/* 32 bytes at `off` of each kept column, four columns at a time: the low nibbles' rows into
+ * lo[0..3], the high nibbles' into hi[0..3] (8 consecutive rows per sum, see cols.c's layout:
+ * two unpack steps line four columns' bytes up as dwords of one row; u8 x s8 pairs summed to
+ * i16 never saturate, 2 * 15 * 127 < 32767). */
+static void cols_half(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t off, __m256i *lo, __m256i *hi) {
+    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+    for (int k = 0; k < 4; k++) lo[k] = hi[k] = _mm256_setzero_si256();
+    for (int q = 0; q < nq; q++) {
+        const uint8_t *const *pq = p + 4 * q;
+        const __m256i xv = _mm256_set1_epi32((int)xw[q]);
+        __m256i v[4];
+        for (int t = 0; t < 4; t++) v[t] = _mm256_loadu_si256((const __m256i *)(pq[t] + off));
+        for (int h = 0; h < 2; h++) {
+            __m256i c[4];
+            for (int t = 0; t < 4; t++) c[t] = _mm256_and_si256(h ? _mm256_srli_epi16(v[t], 4) : v[t], m15);
+            const __m256i abl = _mm256_unpacklo_epi8(c[0], c[1]), abh = _mm256_unpackhi_epi8(c[0], c[1]);
+            const __m256i cdl = _mm256_unpacklo_epi8(c[2], c[3]), cdh = _mm256_unpackhi_epi8(c[2], c[3]);
+            const __m256i r[4] = {_mm256_unpacklo_epi16(abl, cdl), _mm256_unpackhi_epi16(abl, cdl),
+                                  _mm256_unpacklo_epi16(abh, cdh), _mm256_unpackhi_epi16(abh, cdh)};
+            __m256i *s = h ? hi : lo;
+            for (int k = 0; k < 4; k++) s[k] = _mm256_add_epi32(s[k], _mm256_madd_epi16(_mm256_maddubs_epi16(r[k], xv), one));
+        }
+    }
+}
+
+/* y[rows] += dx * d * acc + m * sx for the 8 rows of each sum: sum k covers rows base + stride*k */
+static void cols_finish(const __m256i *acc, int64_t base, int64_t stride, const uint16_t *dq, const uint16_t *mq,
+                        float dx, float sx, float *y) {
+    const __m256 vdx = _mm256_set1_ps(dx), vsx = _mm256_set1_ps(sx);
+    for (int k = 0; k < 4; k++) {
+        const int64_t r = base + stride * k;
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dq + r)));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mq + r)));
+        const __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(vdx, dv), _mm256_cvtepi32_ps(acc[k]), _mm256_loadu_ps(y + r));
+        _mm256_storeu_ps(y + r, _mm256_fmadd_ps(mv, vsx, t));
+    }
+}
+
+/* As the AVX-512 version: a block of rows at a time with its sums in registers (here each
+ * 128-row block in two halves of 32 bytes per column), kept columns four at a time. */
+static void cols_group(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na, const uint16_t *dq,
+                       const uint16_t *mq, float dx, float sx, int32_t *acc, float *y) {
+    (void)acc;
+    const int64_t cb = Np / 2, full = Np / 128 * 128;
+    const int nq = (na + 3) / 4;
+    const uint8_t *p[32];
+    uint32_t xw[8];
+    for (int q = 0; q < nq; q++) {
+        xw[q] = 0;
+        for (int t = 0; t < 4; t++) {
+            const int j = 4 * q + t;
+            p[j] = g + (int64_t)cs[j < na ? j : 4 * q] * cb;
+            xw[q] |= (uint32_t)(uint8_t)(j < na ? qx[j] : 0) << (8 * t);
+        }
+    }
+    __m256i lo[4], hi[4];
+    for (int64_t b = 0; b < full; b += 128)
+        for (int h = 0; h < 2; h++) {
+            for (int q = 0; q < 4 * nq; q++) _mm_prefetch((const char *)(p[q] + b / 2 + 32 * h + 128), _MM_HINT_T0);
+            cols_half(p, xw, nq, b / 2 + 32 * h, lo, hi);
+            cols_finish(lo, b + 8 * h, 16, dq, mq, dx, sx, y);
+            cols_finish(hi, b + 64 + 8 * h, 16, dq, mq, dx, sx, y);
+        }
+    if (full < Np) { /* the last block of 64 rows */
+        cols_half(p, xw, nq, full / 2, lo, hi);
+        cols_finish(lo, full, 8, dq, mq, dx, sx, y);
+        cols_finish(hi, full + 32, 8, dq, mq, dx, sx, y);
+    }
+}
+
 const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, &si_attend_avx2, 8,
-                                   si_kv_store_avx2};
+                                   si_kv_store_avx2, 0, NULL, NULL, cols_group};
 #else
 typedef int si_empty_translation_unit;
 #endif
