@@ -254,7 +254,8 @@ class ColWeight:
     last block is 64 rows, 32 bytes, when Np is not a multiple of 128); in a block of R rows
     with L = R // 32 lanes, byte ``16 l + 4 k + i`` holds row ``4 L k + 4 l + i`` in its low
     nibble and row ``R // 2 + 4 L k + 4 l + i`` in its high nibble (`col_byte_positions`; the
-    C kernels' dword order, csrc/cols.c).  Padding rows and columns are zero."""
+    C kernels' dword order, csrc/cols.c).  Padding rows are zero (codes and scales); padding
+    columns have zero codes and are never read."""
 
     rows: int
     cols: int

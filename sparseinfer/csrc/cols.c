@@ -16,7 +16,7 @@
  *   4L*k + 4l + i in its low nibble and row R/2 + 4L*k + 4l + i in its high nibble
  *   (l < L, k < 4, i < 4): the order in which four columns' bytes, interleaved by two
  *   unpack steps, line up as dwords of consecutive rows for a 4-way byte dot product.
- *   Padding rows and columns hold q = 0 with d = m = 0.
+ *   Padding rows hold q = 0 with d = m = 0; padding columns hold q = 0 and are never read.
  *
  * The kept inputs of each group are quantized to int8 (d_x = max|x|/127 over the kept ones,
  * q_x = round(x / d_x)), so a group contributes
