@@ -443,6 +443,9 @@ def test_prepare_refines_a_powerinfer_file(tmp_path):
     words = "the then there in inner on one re an and her here".split()
     (tmp_path / "calib.txt").write_text(" ".join(rng.choice(words) for _ in range(6000)))
     model = folder / "model.powerinfer.gguf"
-    assert main(["prepare", str(model), "--data", str(tmp_path / "calib.txt"), "--no-eval", "--no-plot", "-t", "1"]) == 0
+    # no speed check: whether a pack pays on this tiny model is a matter of timing noise (the
+    # rule that drops a slower pack has its own tests in test_sparse.py)
+    assert main(["prepare", str(model), "--data", str(tmp_path / "calib.txt"), "--no-eval", "--no-plot", "-t", "1",
+                 "--no-speed-check"]) == 0
     llm = sparseinfer.load(model)
     assert llm.sparsity.path == folder / "model.powerinfer.gguf.sparse" and llm.sparsity.calibration.get("source") != "PowerInfer file"
