@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -37,6 +36,7 @@ import torch
 
 from sparseinfer.kernels import cpu
 from sparseinfer.quant import QWeight, from_float, to_cols
+from sparseinfer.sparse.speed import cpu_name
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
 # (d_ff, d_model): gate/up and down_t are d_ff x d_model, down is d_model x d_ff
@@ -380,16 +380,6 @@ def log(msg):
     print(msg, flush=True)
 
 
-def cpu_model():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 # ---------------------------------------------------------------------------------- report
 
 def write_markdown(path, b: Bench, meta):
@@ -609,7 +599,7 @@ def main(argv=None):
         sys.exit("sparseinfer._cpu is not built: pip install -e . with a C compiler")
     cpu.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    meta = {"cpu": cpu_model(), "threads": args.threads, "simd": cpu.simd_level(), "llc": llc_text(),
+    meta = {"cpu": cpu_name(), "threads": args.threads, "simd": cpu.simd_level(), "llc": llc_text(),
             "load0": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else argv,
             "working_set": args.working_set, "layout": args.layout, "date": time.strftime("%Y-%m-%d %H:%M"),
             "flush": True}

@@ -31,30 +31,32 @@
 #include <stdlib.h>
 #include <string.h>
 
-int64_t si_cols_byte(int64_t rho, int64_t R, int *hi) {
+/* the byte of row rho in a column block of R rows, the high nibble when *hi */
+static int64_t cols_byte(int64_t rho, int64_t R, int *hi) {
     const int64_t h = R / 2, L = R / 32, p = rho % h, k = p / (4 * L), rem = p % (4 * L);
     *hi = rho >= h;
     return (rem / 4) * 16 + 4 * k + rem % 4;
 }
 
-/* one group's columns at g (any level; see kernels_t.cols_group) */
-void si_cols_group_portable(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na,
-                            const uint16_t *d, const uint16_t *m, float dx, float sx, int32_t *acc, float *y) {
-    const int64_t cb = Np / 2;
-    memset(acc, 0, (size_t)Np * sizeof(int32_t));
-    for (int j = 0; j < na; j++) {
-        const uint8_t *col = g + (int64_t)cs[j] * cb;
-        const int32_t x = qx[j];
-        for (int64_t b0 = 0; b0 < Np; b0 += 128) {
-            const int64_t R = Np - b0 >= 128 ? 128 : 64;
+/* One group's kept columns, four at a time (any level; see kernels_t.cols_group): the sums of a
+ * block of rows in a small array, then scaled into y. */
+static void cols_group_portable(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t Np, const uint16_t *d,
+                                const uint16_t *m, float dx, float sx, float *y) {
+    for (int64_t b0 = 0; b0 < Np; b0 += 128) {
+        const int64_t R = Np - b0 >= 128 ? 128 : 64;
+        int32_t acc[128] = {0};
+        for (int j = 0; j < 4 * nq; j++) {
+            const uint8_t *col = p[j] + b0 / 2;
+            const int32_t x = (int8_t)(uint8_t)(xw[j / 4] >> (8 * (j % 4)));
             for (int64_t rho = 0; rho < R; rho++) {
                 int hi;
-                const uint8_t v = col[b0 / 2 + si_cols_byte(rho, R, &hi)];
-                acc[b0 + rho] += x * (hi ? v >> 4 : v & 15);
+                const uint8_t v = col[cols_byte(rho, R, &hi)];
+                acc[rho] += x * (hi ? v >> 4 : v & 15);
             }
         }
+        for (int64_t r = 0; r < R; r++)
+            y[b0 + r] += dx * si_h2f(d[b0 + r]) * (float)acc[r] + si_h2f(m[b0 + r]) * sx;
     }
-    for (int64_t r = 0; r < Np; r++) y[r] += dx * si_h2f(d[r]) * (float)acc[r] + si_h2f(m[r]) * sx;
 }
 
 #define COLS_MAX_PARTS 8
@@ -73,23 +75,24 @@ typedef struct {
     float *y;
 } cols_ctx;
 
-/* One group's kept inputs as the kernels take them: in-group column ids cs, int8 values qx
- * (d_x = max|x|/127, q = round(x / d_x)), dx and sx = dx * sum(q); returns how many.  *pos
- * walks the list form. */
+/* One group's kept inputs as the kernels take them: the kept columns' addresses p and their
+ * int8 values (d_x = max|x|/127, q = round(x / d_x)) packed four to a word xw, in quads (a last
+ * incomplete quad repeats a column with value 0); nq quads; dx and sx = dx * sum(q). */
 typedef struct {
-    int32_t cs[32];
-    int8_t qx[32];
+    const uint8_t *p[32];
+    uint32_t xw[8];
+    int nq, na;
     float dx, sx;
-    int na;
 } group_in;
 
 static void group_inputs(const cols_ctx *a, int64_t g, int64_t *pos, group_in *gi) {
+    int32_t cs[32];
     float xs[32], amax = 0.0f;
     int na = 0;
     if (a->list) {
         for (; *pos < a->n && a->idx[*pos] < (g + 1) * 32; ++*pos) {
             const float v = a->x[*pos];
-            gi->cs[na] = a->idx[*pos] - (int32_t)(g * 32), xs[na++] = v;
+            cs[na] = a->idx[*pos] - (int32_t)(g * 32), xs[na++] = v;
             amax = fabsf(v) > amax ? fabsf(v) : amax;
         }
     } else {
@@ -97,22 +100,28 @@ static void group_inputs(const cols_ctx *a, int64_t g, int64_t *pos, group_in *g
         for (int j = 0; j < 32 && g * 32 + j < K; j++) {
             const float v = a->x[g * 32 + j];
             if (fabsf(v) > a->thr) {
-                gi->cs[na] = j, xs[na++] = v;
+                cs[na] = j, xs[na++] = v;
                 amax = fabsf(v) > amax ? fabsf(v) : amax;
             }
         }
     }
-    gi->na = na;
-    if (!na || amax == 0.0f) { /* nothing kept, or only zeros: nothing to add */
-        gi->na = 0;
+    gi->na = gi->nq = 0;
+    if (!na || amax == 0.0f) /* nothing kept, or only zeros: nothing to add */
         return;
-    }
+    const uint8_t *gp = a->w->qs + g * 32 * (a->w->np / 2);
     const float id = 127.0f / amax;
     int32_t sq = 0;
-    for (int j = 0; j < na; j++) {
-        const int32_t q = (int32_t)lrintf(xs[j] * id);
-        gi->qx[j] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
-        sq += gi->qx[j];
+    gi->na = na, gi->nq = (na + 3) / 4;
+    for (int j = 0; j < 4 * gi->nq; j++) {
+        int32_t q = 0;
+        if (j < na) {
+            q = (int32_t)lrintf(xs[j] * id);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            sq += q;
+        }
+        if (j % 4 == 0) gi->xw[j / 4] = 0;
+        gi->xw[j / 4] |= (uint32_t)(uint8_t)(int8_t)q << (8 * (j % 4));
+        gi->p[j] = gp + (int64_t)cs[j < na ? j : j - j % 4] * (a->w->np / 2);
     }
     gi->dx = amax / 127.0f;
     gi->sx = gi->dx * (float)sq;
@@ -121,10 +130,8 @@ static void group_inputs(const cols_ctx *a, int64_t g, int64_t *pos, group_in *g
 static void cols_task(void *p, int64_t c) {
     const cols_ctx *a = p;
     const cmat_t *w = a->w;
-    const int64_t Np = w->np, cb = Np / 2;
+    const int64_t Np = w->np;
     const int64_t g0 = a->G * c / a->nparts, g1 = a->G * (c + 1) / a->nparts;
-    int32_t *acc = scratch(7, (size_t)Np * sizeof(int32_t) + 64);
-    if (!acc) abort();
     float *y = a->part + c * Np;
     memset(y, 0, (size_t)Np * sizeof(float));
     int64_t kept = 0, pos = 0;
@@ -145,17 +152,16 @@ static void cols_task(void *p, int64_t c) {
         group_in *cur = &in[(g - g0) & 1], *next = &in[(g - g0 + 1) & 1];
         if (g + 1 < g1) {
             group_inputs(a, g + 1, &pos, next);
-            const uint8_t *gn = w->qs + (g + 1) * 32 * cb;
             for (int j = 0; j < next->na; j++) {
-                __builtin_prefetch(gn + (int64_t)next->cs[j] * cb);
-                __builtin_prefetch(gn + (int64_t)next->cs[j] * cb + 64);
+                __builtin_prefetch(next->p[j]);
+                __builtin_prefetch(next->p[j] + 64);
             }
         }
         if (!cur->na) continue;
         kept += cur->na;
         const uint16_t *d = w->d + g * Np, *m = w->m + g * Np;
-        (a->k->cols_group ? a->k->cols_group : si_cols_group_portable)(w->qs + g * 32 * cb, Np, cur->qx, cur->cs,
-                                                                      cur->na, d, m, cur->dx, cur->sx, acc, y);
+        (a->k->cols_group ? a->k->cols_group : cols_group_portable)(cur->p, cur->xw, cur->nq, Np, d, m, cur->dx,
+                                                                    cur->sx, y);
     }
     a->kept[c] = kept;
 }

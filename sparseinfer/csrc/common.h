@@ -147,11 +147,11 @@ typedef struct {
      * size is tiles_bytes(nb) per group */
     void (*pack_tokens)(const xq_t *xq, int64_t nb, int64_t g0, int64_t g1);
     size_t (*tiles_bytes)(int64_t nb);
-    /* column-grouped q4 (cols.c), one group's columns at g: acc[r] = sum_j qx[j] * q(r, cs[j]),
-     * then y[r] += dx * d[r] * acc[r] + m[r] * sx, for r < Np (acc: room for Np); NULL: the
-     * portable version (si_cols_group_portable) */
-    void (*cols_group)(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na,
-                       const uint16_t *d, const uint16_t *m, float dx, float sx, int32_t *acc, float *y);
+    /* column-grouped q4 (cols.c), one group's kept columns in nq quads: p[4q + t] the column's
+     * address, byte t of xw[q] its int8 value (columns repeated with value 0 fill the last quad);
+     * y[r] += dx * d[r] * sum_j q_j * code(r, j) + m[r] * sx for r < Np; NULL: the portable version */
+    void (*cols_group)(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t Np, const uint16_t *d,
+                       const uint16_t *m, float dx, float sx, float *y);
 } kernels_t;
 
 /* Products of up to this many tokens (batched decode: one token of each of a few sequences)
@@ -184,10 +184,6 @@ void si_kv_store_avx2(int type, const float *x, void *row, int64_t D); /* F16C; 
 #endif
 
 extern const kernels_t si_kernels_scalar;
-/* the byte of row rho in a column block of R rows of a cq4 weight, high nibble when *hi (cols.c) */
-int64_t si_cols_byte(int64_t rho, int64_t R, int *hi);
-void si_cols_group_portable(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na,
-                            const uint16_t *d, const uint16_t *m, float dx, float sx, int32_t *acc, float *y);
 /* the scalar level's activation quantizer and KV cache writer (kern_scalar.c), which levels
  * without their own use as they are */
 void si_quantize_portable(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq);

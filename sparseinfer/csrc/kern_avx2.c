@@ -807,21 +807,9 @@ static void cols_finish(const __m256i *acc, int64_t base, int64_t stride, const 
 
 /* As the AVX-512 version: a block of rows at a time with its sums in registers (here each
  * 128-row block in two halves of 32 bytes per column), kept columns four at a time. */
-static void cols_group(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na, const uint16_t *dq,
-                       const uint16_t *mq, float dx, float sx, int32_t *acc, float *y) {
-    (void)acc;
-    const int64_t cb = Np / 2, full = Np / 128 * 128;
-    const int nq = (na + 3) / 4;
-    const uint8_t *p[32];
-    uint32_t xw[8];
-    for (int q = 0; q < nq; q++) {
-        xw[q] = 0;
-        for (int t = 0; t < 4; t++) {
-            const int j = 4 * q + t;
-            p[j] = g + (int64_t)cs[j < na ? j : 4 * q] * cb;
-            xw[q] |= (uint32_t)(uint8_t)(j < na ? qx[j] : 0) << (8 * t);
-        }
-    }
+static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t Np, const uint16_t *dq,
+                       const uint16_t *mq, float dx, float sx, float *y) {
+    const int64_t full = Np / 128 * 128;
     __m256i lo[4], hi[4];
     for (int64_t b = 0; b < full; b += 128)
         for (int h = 0; h < 2; h++) {

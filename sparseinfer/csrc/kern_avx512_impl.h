@@ -902,26 +902,14 @@ AI void cols_finish16(__m512i acc, const uint16_t *dq, const uint16_t *mq, __m51
 #define COLS_AHEAD 128 /* bytes of each column prefetched ahead */
 #endif
 
-/* A block of rows at a time with its sums in registers, the kept columns four at a time (a
- * last incomplete quad repeats a column with weight 0 on it); each column streams in order,
+/* A block of rows at a time with its sums in registers, the kept columns four at a time; each
+ * column streams in order,
  * prefetched a little ahead (a group's kept columns are up to 32 streams, more than the
  * hardware prefetchers follow).  Sums stay in registers: a version streaming one quad over all
  * rows into sums in memory was slower for every shape measured. */
-static void cols_group(const uint8_t *g, int64_t Np, const int8_t *qx, const int32_t *cs, int na, const uint16_t *dq,
-                       const uint16_t *mq, float dx, float sx, int32_t *acc, float *y) {
-    (void)acc; /* the sums stay in registers */
-    const int64_t cb = Np / 2, full = Np / 128 * 128;
-    const int nq = (na + 3) / 4;
-    const uint8_t *p[32];
-    uint32_t xw[8];
-    for (int q = 0; q < nq; q++) {
-        xw[q] = 0;
-        for (int t = 0; t < 4; t++) {
-            const int j = 4 * q + t;
-            p[j] = g + (int64_t)cs[j < na ? j : 4 * q] * cb;
-            xw[q] |= (uint32_t)(uint8_t)(j < na ? qx[j] : 0) << (8 * t);
-        }
-    }
+static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t Np, const uint16_t *dq,
+                       const uint16_t *mq, float dx, float sx, float *y) {
+    const int64_t full = Np / 128 * 128;
     const __m512i m15 = _mm512_set1_epi8(15);
     const __m512 vdx = _mm512_set1_ps(dx), vsx = _mm512_set1_ps(sx);
     for (int64_t b = 0; b < full; b += 128) {

@@ -101,17 +101,9 @@ def gemv_cols_emulated(w: ColWeight, x: torch.Tensor, keep: torch.Tensor) -> tor
     of 32 inputs, the kept ones as int8 (d_x = max|x|/127 over them, q = round(x / d_x)); the
     kernels differ from this only in summation order.  `keep`: a boolean mask of the inputs
     (`x.abs() > thr` for `gemv_cols`, the listed ones for `gemv_cols_list`)."""
-    xm = torch.where(keep, x.float(), torch.zeros(()))
-    G = (w.cols + BLOCK - 1) // BLOCK
-    xp = torch.zeros(G * BLOCK)
-    xp[: w.cols] = xm
-    b = xp.view(G, BLOCK)
-    amax = b.abs().amax(-1, keepdim=True)
-    dx = amax / 127
-    q = torch.where(amax > 0, torch.round(b * torch.where(amax > 0, 127 / amax, 0 * amax)), 0 * b).clamp(-127, 127)
-    wq = torch.zeros(G * BLOCK, w.np, dtype=torch.float64)
-    wq[: w.cols, : w.rows] = w.dequantize().double().t()
-    return (wq.view(G, BLOCK, -1) * (dx.double() * q.double())[..., None]).sum((0, 1))[: w.rows]
+    q, dx, _ = quantize_activation(torch.where(keep, x.float(), torch.zeros(())))  # zeros quantize to 0
+    xr = (q.view(-1, BLOCK).double() * dx.double()[:, None]).reshape(-1)[: w.cols]
+    return w.dequantize().double() @ xr
 
 
 def sparse_ffn(x: torch.Tensor, gate: QWeight | None, up: QWeight, down_t: QWeight,

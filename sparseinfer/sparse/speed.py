@@ -52,15 +52,17 @@ def _decode_seconds(model, prompt: torch.Tensor, n: int) -> float:
 def measure(model, pack, prompt: torch.Tensor, tokens: int = 32, rounds: int = 3) -> dict:
     """Decode speed of the dense `model` and of `model` sparsified with `pack`, alternated
     `rounds` times (best of each kept: the machine may be shared); the model is left dense."""
-    from .apply import replace_ffns, restore, sparsify
+    from .apply import ffn_slots, replace_ffns, restore, sparsify
 
     dense_s, sparse_s = math.inf, math.inf
     mlps = replace_ffns(model, lambda i, m: m)  # the dense MLPs, to put back
     try:
+        sparsify(model, pack)  # once; the rounds swap the two sets of FFNs
+        sparse = [getattr(p, n) for p, n in ffn_slots(model)]
         for _ in range(rounds):
             restore(model, mlps)
             dense_s = min(dense_s, _decode_seconds(model, prompt, tokens))
-            sparsify(model, pack)
+            restore(model, sparse)
             sparse_s = min(sparse_s, _decode_seconds(model, prompt, tokens))
     finally:
         restore(model, mlps)
