@@ -82,8 +82,10 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
         }
         a.xq = &xq;
         a.T = T << xq.pair;
-        /* keep a token chunk of quantized activations within ~256 KB (L2) */
-        a.tchunk = up(262144 / xq.q_stride, 4);
+        /* a token chunk's quantized activations (codes, expanded and block scales) within a
+         * quarter of L2, the rest of it for the rows they pass over (counting the codes alone
+         * overfilled a 512 KB L2) */
+        a.tchunk = up(si_l2_bytes() / 4 / (xq.q_stride + 4 * (xq.de_stride + 2 * xq.d_stride)), 4);
         if (k->pack_tokens && T >= 16 && !xq.pair) {
             /* the tile kernels take every token at once (they block over K themselves) */
             const int64_t nb = w->kp / 32;

@@ -295,6 +295,74 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]);
 }
 
+/* Two rows by four tokens of q4 for many-token products: the per-(row, token) arithmetic and
+ * its order are q4_tile's (bit-identical), with the eight sums in registers. */
+AI void q4_2x4_rows(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float (*res)[4]) {
+    const int64_t nb = w->nb, ng = nb >> 2;
+    const uint8_t *q0 = w->qs + rr[0] * w->row_bytes, *q1 = w->qs + rr[1] * w->row_bytes;
+    const uint16_t *d0 = w->d + rr[0] * w->ds, *d1 = w->d + rr[1] * w->ds;
+    const int8_t *xb0 = xq->q, *xb1 = xq->q + xq->q_stride, *xb2 = xq->q + 2 * xq->q_stride, *xb3 = xq->q + 3 * xq->q_stride;
+    const float *e0 = xq->de, *e1 = xq->de + xq->de_stride, *e2 = xq->de + 2 * xq->de_stride, *e3 = xq->de + 3 * xq->de_stride;
+    const uint8_t *p0 = w->qs + rn[0] * w->row_bytes, *p1 = w->qs + rn[1] * w->row_bytes;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    const __m256i ia = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), ib = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+#define Q4D(lo, hi, xl, xh) _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), one))
+    for (int64_t g = 0; g < ng; g++) {
+        _mm_prefetch((const char *)(p0 + 64 * g), _MM_HINT_T1);
+        _mm_prefetch((const char *)(p1 + 64 * g), _MM_HINT_T1);
+        const __m256 s0 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d0 + 4 * g))));
+        const __m256 s1 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d1 + 4 * g))));
+        for (int h = 0; h < 2; h++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q0 + 64 * g + 32 * h));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(q1 + 64 * g + 32 * h));
+            const __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            const __m256i l1 = _mm256_and_si256(v1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            const __m256 w0 = _mm256_permutevar8x32_ps(s0, h ? ib : ia), w1 = _mm256_permutevar8x32_ps(s1, h ? ib : ia);
+            const int64_t xo = 128 * g + 32 * h, eo = 16 * g + 8 * h;
+#define TOK(xb, e, A0, A1) { \
+            const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + xo)), xh = _mm256_loadu_si256((const __m256i *)(xb + xo + 64)); \
+            const __m256 de = _mm256_loadu_ps(e + eo); \
+            A0 = _mm256_fmadd_ps(Q4D(l0, h0, xl, xh), _mm256_mul_ps(w0, de), A0); \
+            A1 = _mm256_fmadd_ps(Q4D(l1, h1, xl, xh), _mm256_mul_ps(w1, de), A1); }
+            TOK(xb0, e0, a00, a10)
+            TOK(xb1, e1, a01, a11)
+            TOK(xb2, e2, a02, a12)
+            TOK(xb3, e3, a03, a13)
+#undef TOK
+        }
+    }
+#undef Q4D
+    float tail[8][4] = {{0}};
+    __m256 acc[8][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
+    const uint16_t *mp[8] = {w->m ? w->m + rr[0] * w->ds : NULL, w->m ? w->m + rr[1] * w->ds : NULL};
+    if (nb & 3) { /* blocks after the last group: the generic tile's loop */
+        const __m128i m4x = _mm_set1_epi8(0x0F);
+        const uint8_t *qp[2] = {q0, q1};
+        const uint16_t *dp[2] = {d0, d1};
+        for (int64_t b = 4 * ng; b < nb; b++)
+            for (int r = 0; r < 2; r++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(qp[r] + 16 * b));
+                __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4x), _mm_and_si128(v, m4x));
+                float dwr = _cvtsh_ss(dp[r][b]);
+                for (int t = 0; t < 4; t++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq->q + t * xq->q_stride + 32 * b));
+                    __m256 f = _mm256_cvtepi32_ps(dot8(wv, xv));
+                    acc[r][t] = _mm256_fmadd_ps(f, _mm256_set1_ps(dwr * xq->d[t * xq->d_stride + b]), acc[r][t]);
+                }
+            }
+    }
+    if (w->m) mterm(w, mp, xq, 2, 4, acc, tail);
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < 4; t++) res[r][t] = hsum8(acc[r][t]) + tail[r][t];
+}
+/* Many-token products over 4 rows: two passes of 2 rows x 4 tokens, whose eight sums stay in
+ * registers (a 4 x 4 tile of q4_tile spills them on AVX2's 16 vector registers). */
+static __attribute__((noinline)) void q4_4x4(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) {
+    q4_2x4_rows(w, rr, rn, xq, res);
+    q4_2x4_rows(w, rr + 2, rn + 2, xq, res + 2);
+}
+
 #define TILE_FN(name, tile, R, T) \
     static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
         tile(w, rr, rn, xq, R, T, 0, res); }
@@ -307,7 +375,6 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
 TILE8_FN(q4_8x1, q4_tile)
 TILE8_FN(q8_8x1, q8_tile)
 TILE8_FN(q6_8x1, q6_tile)
-TILE_FN(q4_4x4, q4_tile, 4, 4)
 TILE_FN(q4_4x1, q4_tile, 4, 1)
 TILE_FN(q4_1x4, q4_tile, 1, 4)
 TILE_FN(q4_1x1, q4_tile, 1, 1)

@@ -22,6 +22,9 @@
  * supported level, until si_select() changes it (runtime.c). */
 const kernels_t *si_kern(void);
 
+/* The per-core L2 cache in bytes as the C library reports it, or 1 MB when it does not. */
+int64_t si_l2_bytes(void);
+
 #define scratch si_scratch
 
 static inline int64_t up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }

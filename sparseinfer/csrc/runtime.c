@@ -8,6 +8,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #if SI_ARM && defined(__linux__)
 #include <sys/auxv.h>
 #elif SI_ARM && defined(__APPLE__)
@@ -91,6 +92,20 @@ const kernels_t *si_kern(void) {
 }
 
 const char *si_level(void) { return si_kern()->name; }
+
+/* ------------------------------------------------------------------------- the cache */
+
+int64_t si_l2_bytes(void) {
+    static int64_t l2;
+    if (!l2) {
+        long v = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        l2 = v >= 65536 ? (int64_t)v : 1 << 20;
+    }
+    return l2;
+}
 
 int si_select(const char *name) {
     const kernels_t *k = table_of(name);
