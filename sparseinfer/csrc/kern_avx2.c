@@ -302,51 +302,6 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]);
 }
 
-/* q4 for one token, or the two terms of one token in precise mode (T <= 2), row after row
- * within each half group: q4_tile's arithmetic and order per (row, token), bit-identical,
- * with one row's unpacked codes live at a time (q4_tile unpacks all R rows first, which
- * spills on AVX2's 16 vector registers). */
-AI void q4_rows(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T,
-                const int t0, float (*res)[4]) {
-    const int64_t nb = w->nb, ng = nb >> 2;
-    const uint8_t *qp[8];
-    const uint16_t *dp[8], *mp[8];
-    __m256 acc[8][4];
-    for (int r = 0; r < R; r++) {
-        qp[r] = w->qs + rr[r] * w->row_bytes;
-        dp[r] = w->d + rr[r] * w->ds;
-        mp[r] = w->m ? w->m + rr[r] * w->ds : NULL;
-        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
-    }
-    const uint8_t *pf[8];
-    prefetch_next(w, rn, R, pf, t0);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
-    const __m256i ia = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), ib = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    for (int64_t g = 0; g < ng; g++) {
-        for (int r = 0; r < R; r++) pfh((const char *)(pf[r] + 64 * g), t0);
-        for (int h = 0; h < 2; h++) {
-            const int8_t *xb = xq->q + 128 * g + 32 * h;
-            const float *eb = xq->de + 16 * g + 8 * h;
-            for (int r = 0; r < R; r++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(qp[r] + 64 * g + 32 * h));
-                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(dp[r] + 4 * g))));
-                const __m256 dw = _mm256_permutevar8x32_ps(d4, h ? ib : ia);
-                for (int t = 0; t < T; t++) {
-                    const int8_t *xt = xb + t * xq->q_stride;
-                    const __m256i p = _mm256_madd_epi16(
-                        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xt)),
-                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xt + 64)))),
-                        one);
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_loadu_ps(eb + t * xq->de_stride)),
-                                                acc[r][t]);
-                }
-            }
-        }
-    }
-    q4_finish(w, qp, dp, mp, xq, R, T, acc, res);
-}
-
 /* Two rows by four tokens of q4 for many-token products: the per-(row, token) arithmetic and
  * its order are q4_tile's (bit-identical), with the eight sums in registers. */
 AI void q4_2x4_rows(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float (*res)[4]) {
@@ -409,10 +364,10 @@ static __attribute__((noinline)) void q4_4x4(const qmat_t *w, const int64_t *rr,
 TILE8_FN(q4_8x1, q4_tile)
 TILE8_FN(q8_8x1, q8_tile)
 TILE8_FN(q6_8x1, q6_tile)
-TILE_FN(q4_4x1, q4_rows, 4, 1)
+TILE_FN(q4_4x1, q4_tile, 4, 1)
 TILE_FN(q4_1x4, q4_tile, 1, 4)
 TILE_FN(q4_1x1, q4_tile, 1, 1)
-TILE_FN(q4_4x2, q4_rows, 4, 2)
+TILE_FN(q4_4x2, q4_tile, 4, 2)
 TILE_FN(q4_1x2, q4_tile, 1, 2)
 TILE_FN(q8_4x4, q8_tile, 4, 4)
 TILE_FN(q8_4x1, q8_tile, 4, 1)
