@@ -11,6 +11,10 @@ from typing import Any
 
 from .errors import ModelFormatError, UnsupportedError
 
+# OPT's learned position table has this many rows before position 0 (models/opt.py reads row
+# position + OPT_POSITION_OFFSET; a file's table has max_position_embeddings + this many rows)
+OPT_POSITION_OFFSET = 2
+
 # model_type aliases -> the implementation family that runs them (see models/registry.py)
 ARCH_ALIASES = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "smollm": "llama", "bamboo": "llama",

@@ -408,7 +408,12 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 def _q4_0(raw: np.ndarray):
     d = _f16(raw[..., 0:2])
-    return "q4", raw[..., 2:18], d, (d.astype(np.float32) * -8).astype(np.float16)
+    # a scale beyond 8191 makes the min -8d overflow float16 to -inf, and a NaN scale gives a
+    # NaN min: non-finite values like any other in a file (`--check-tensors` reports them), not
+    # numpy warnings
+    with np.errstate(over="ignore", invalid="ignore"):
+        m = (d.astype(np.float32) * -8).astype(np.float16)
+    return "q4", raw[..., 2:18], d, m
 
 
 def _q4_1(raw: np.ndarray):

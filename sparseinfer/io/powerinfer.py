@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..config import OPT_POSITION_OFFSET
 from ..errors import ModelFormatError, UnsupportedError
 
 THRESHOLD_KEY = "powerinfer.sparse_threshold"
@@ -37,8 +38,6 @@ ARCHS = {"llama": ("llama", "relu"), "bamboo": ("llama", "drelu"), "falcon": ("f
          "opt": ("opt", "relu")}
 ACTIVATION_DIR = "activation"
 GPU_INDEX_SUFFIX = ".generated.gpuidx"
-# OPT's learned position table has this many rows before position 0 (`models.opt.POSITION_OFFSET`)
-OPT_POSITION_ROWS_BEFORE_0 = 2
 
 
 def config_metadata(meta: dict[str, Any], path: Path, position_rows: int | None = None) -> dict[str, Any]:
@@ -59,8 +58,8 @@ def config_metadata(meta: dict[str, Any], path: Path, position_rows: int | None 
                 out[f"{ours}.{k[len(prefix):]}"] = v
         out["general.architecture"] = ours
     out[f"{ours}.hidden_act"] = act
-    if arch == "opt" and position_rows is not None and position_rows > OPT_POSITION_ROWS_BEFORE_0:
-        out["opt.context_length"] = position_rows - OPT_POSITION_ROWS_BEFORE_0
+    if arch == "opt" and position_rows is not None and position_rows > OPT_POSITION_OFFSET:
+        out["opt.context_length"] = position_rows - OPT_POSITION_OFFSET
     return out
 
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import OPT_POSITION_OFFSET, ModelConfig
 from ..io.weights import WeightSource
 from .base import CausalLM, Embedding, Has, TensorShapes, linear_shapes, norm_shapes
 from .layers import MLP, Attention, LayerNorm, Linear, Module
-
-POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
 
 class Positions(nn.Module):
@@ -21,7 +19,7 @@ class Positions(nn.Module):
         self.table = table.float()
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.table[positions + POSITION_OFFSET]
+        return self.table[positions + OPT_POSITION_OFFSET]
 
 
 class Block(Module):
@@ -72,7 +70,7 @@ def tensor_shapes(c: ModelConfig, has: Has) -> TensorShapes:
     n, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
     nq, nkv = c.num_attention_heads * c.d_head, c.n_kv_heads * c.d_head
     yield EMBED, (v, n), True
-    yield "model.decoder.embed_positions.weight", (c.max_position_embeddings + POSITION_OFFSET, n), True
+    yield "model.decoder.embed_positions.weight", (c.max_position_embeddings + OPT_POSITION_OFFSET, n), True
     if c.do_layer_norm_before:
         yield from norm_shapes("model.decoder.final_layer_norm", n)
     yield "lm_head.weight", (v, n), False

@@ -127,6 +127,10 @@ class PrefixCache:
         while self.nbytes > self.budget:
             self._entries.popitem(last=False)
 
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._entries.clear()
+
     def take(self, prompt: tuple[int, ...]) -> tuple[KVCache | None, int]:
         """(a cache holding the first n tokens of `prompt`, n), n < len(prompt) so that at least one
         prompt token is left to run; (None, 0) when no entry shares a prefix."""
