@@ -8,8 +8,7 @@ import threading
 import pytest
 import torch
 
-from sparseinfer.hybrid import NeuronStats
-from sparseinfer.hybrid import place_model as _place_model
+from sparseinfer.hybrid import NeuronStats, place_model
 from sparseinfer.kernels import torch_device as dev
 from sparseinfer.hybrid.costs import cost_model, device_bytes
 from sparseinfer.hybrid.ffn import HybridFFN
@@ -27,11 +26,6 @@ from tiny import export_gguf, hf_model, save_folder
 pytestmark = pytest.mark.usefixtures("precise_activations")
 
 CTX = 64
-
-
-def place_model(*args, **kw):
-    """`sparseinfer.hybrid.place_model` counting the float32 KV cache of `build`'s models."""
-    return _place_model(*args, **{"cache_type": "f32", **kw})
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
@@ -99,7 +93,7 @@ def run(model, tokens: torch.Tensor, n_prefill: int = 9) -> torch.Tensor:
 
 def budget_at(model, frac: float, device_type: str = "cpu") -> int:
     """Scratch plus `frac` of everything else the model could put on the device."""
-    c = cost_model(model, CTX, device_type, cache_type=model.cache_type)
+    c = cost_model(model, CTX, device_type)
     rest = c.head + sum(lc.core + lc.predictor + lc.neuron * lc.n_neurons + c.ffn_overhead for lc in c.layers)
     return c.scratch + int(frac * rest)
 

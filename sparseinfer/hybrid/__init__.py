@@ -29,10 +29,10 @@ __all__ = ["BudgetError", "HybridCausalLM", "NeuronStats", "Placement", "apply_p
 
 def plan_for_model(model, budget: int, ctx_size: int, device_type: str = "cuda", stats: NeuronStats | None = None,
                    mode: str = "auto", fingerprint: str = "", use_cache: bool = True, n_seq: int = 1,
-                   cache_type: str = DEFAULT_CACHE_TYPE, **params) -> Placement:
+                   cache_type: str | None = None, **params) -> Placement:
     """The placement of a built CPU model. mode: 'neurons' (hybrid; needs `stats`), 'layers' (dense
     layer offload) or 'auto' (neurons when there are stats, else layers); the KV cache counted
-    in `cache_type`."""
+    in `cache_type` (default: the model's own, `model.cache_type`)."""
     if mode == "auto":
         mode = "neurons" if stats is not None else "layers"
     if mode not in ("neurons", "layers"):
@@ -49,9 +49,11 @@ def plan_for_model(model, budget: int, ctx_size: int, device_type: str = "cuda",
 
 def place_model(model, accel: torch.device | str, budget: int, ctx_size: int, stats: NeuronStats | None = None,
                 mode: str = "auto", fingerprint: str = "", use_cache: bool = True, n_seq: int = 1,
-                cache_type: str = DEFAULT_CACHE_TYPE, **params):
-    """Plan and apply: (model to run, placement). `accel` may be torch-CPU standing in for a GPU."""
+                cache_type: str | None = None, **params):
+    """Plan and apply: (model to run, placement). `accel` may be torch-CPU standing in for a GPU;
+    KV caches of `cache_type` (default: the model's own)."""
     accel = torch.device(accel)
+    cache_type = cache_type or model.cache_type
     p = plan_for_model(model, budget, ctx_size, accel.type, stats, mode, fingerprint, use_cache, n_seq, cache_type,
                        **params)
     for note in p.notes:

@@ -109,11 +109,13 @@ def scratch_bytes(config, ctx_size: int, n_ffn: int, device_type: str = "cuda",
     return b + (CUDA_WORKSPACE if device_type == "cuda" else 0)
 
 
-def cost_model(model, ctx_size: int, device_type: str = "cuda", cache_type: str = DEFAULT_CACHE_TYPE,
+def cost_model(model, ctx_size: int, device_type: str = "cuda", cache_type: str | None = None,
                chunk: int = DEVICE_CHUNK, n_seq: int = 1) -> CostModel:
     """The `CostModel` of a built `CausalLM` (FFNs: `MLP` or `SparseFFN`) for `n_seq` sequences
-    of `ctx_size` tokens alive at once (each with its own KV cache, one forward at a time)."""
+    of `ctx_size` tokens alive at once (each with its own KV cache of `cache_type`, default the
+    model's own `cache_type`; one forward at a time)."""
     c = model.config
+    cache_type = cache_type or model.cache_type
     layers, pred_hidden = [], 0
     for block, ffn in zip(model.layers, ffn_modules(model)):
         norms = sum(device_bytes(ch) for ch in block.children() if ch is not block.attn and ch is not ffn)
