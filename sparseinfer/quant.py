@@ -22,6 +22,13 @@ Formats (a weight is a matrix of `rows` x `cols`, one output neuron per row; K =
   value j in byte j % 8, bits 2 * (j // 8).  So one load of a group's 64 nibble bytes lines
   up with the q4 activation layout, and its high parts come from one 32-byte load.
 
+- ``q4k``: GGUF Q4_K super-blocks exactly as a file stores them: ``qs`` uint8
+  ``(rows, cols // 256 * 144)``, ``d``/``m`` None; cols a multiple of 256.  Each super-block of
+  256 values: f16 ``d``, f16 ``dmin``, 12 bytes of 6-bit scales ``sc[8]`` and mins ``mn[8]`` (one
+  per 32 values, GGUF's packing), 128 bytes of nibbles (bytes 32c..32c+31: values 64c.. in the
+  low nibbles, 64c+32.. in the high ones).  value = d * sc * q - dmin * mn (`q4k_affine`).
+  4.5 bits per weight; the kernels multiply it with activations quantized per 256 values.
+
 Kp is cols rounded up to a multiple of 32; padding values are zero (q = 0, d = m = 0), so
 products over the padding add nothing.  Every row's bytes (and its scales) are contiguous,
 so a kernel that skips an inactive neuron skips its bytes.
@@ -36,7 +43,8 @@ import torch
 
 BLOCK = 32
 FLOAT_FORMATS = ("f32", "f16", "bf16")
-QUANT_FORMATS = ("q8", "q4", "q6")
+QUANT_FORMATS = ("q8", "q4", "q6", "q4k")
+Q4K_BLOCK, Q4K_BYTES = 256, 144  # values and bytes of one q4k super-block
 FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 _TORCH_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -116,6 +124,8 @@ def from_float(w: torch.Tensor, fmt: str) -> QWeight:
         inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(amax))
         q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
         return QWeight("q8", rows, cols, q.view(rows, kp).contiguous(), d.contiguous(), None)
+    if fmt == "q4k":
+        return _q4k_from_float(w)
     if fmt == "q6":
         sub = wp.view(rows, kp // 16, 16)
         d = (sub.abs().amax(-1) / 31).to(torch.float16)
@@ -128,6 +138,51 @@ def from_float(w: torch.Tensor, fmt: str) -> QWeight:
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(lo))
     q = torch.round((blocks - m.float()[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     return QWeight("q4", rows, cols, pack_nibbles(q.view(rows, kp)), d.contiguous(), m.contiguous())
+
+
+def _q4k_from_float(w: torch.Tensor) -> QWeight:
+    """Round-to-nearest Q4_K (reference quantizer; llama.cpp's own searches for better scales):
+    per 32 values a scale (max + mn) / 15 and a min mn = max(0, -min), both quantized to 6 bits
+    against the super-block's f16 d = max scale / 63 and dmin = max min / 63."""
+    rows, cols = w.shape
+    if cols % Q4K_BLOCK:
+        raise ValueError(f"q4k needs a multiple of {Q4K_BLOCK} columns, got {cols}")
+    ns = cols // Q4K_BLOCK
+    x = w.view(rows, ns, 8, BLOCK)
+    mn_f = (-x.amin(-1)).clamp(min=0)
+    sc_f = (x.amax(-1) + mn_f).clamp(min=0) / 15
+    d = (sc_f.amax(-1) / 63).to(torch.float16)
+    dmin = (mn_f.amax(-1) / 63).to(torch.float16)
+    inv = lambda v: torch.where(v > 0, 1.0 / v, torch.zeros_like(v))  # noqa: E731
+    sc = torch.round(sc_f * inv(d.float())[..., None]).clamp(0, 63)
+    mn = torch.round(mn_f * inv(dmin.float())[..., None]).clamp(0, 63)
+    step = d.float()[..., None] * sc
+    q = torch.round((x + (dmin.float()[..., None] * mn)[..., None]) * inv(step)[..., None]).clamp(0, 15).to(torch.uint8)
+    sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
+    s12 = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                     (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], dim=-1)
+    qc = q.view(rows, ns, 4, 2, BLOCK)
+    nib = qc[:, :, :, 0] | (qc[:, :, :, 1] << 4)  # chunk c: values 64c+l and 64c+32+l
+    head = torch.stack([d, dmin], -1).view(torch.uint8).view(rows, ns, 4)
+    qs = torch.cat([head, s12, nib.reshape(rows, ns, 128)], dim=-1).reshape(rows, ns * Q4K_BYTES)
+    return QWeight("q4k", rows, cols, qs.contiguous())
+
+
+def q4k_affine(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A q4k weight as (codes uint8 (rows, cols), step f32 (rows, cols // 32), offset f32
+    (rows, cols // 32)): value = step * code + offset per block of 32, step = d * sc and
+    offset = -dmin * mn, each product rounded once to f32 (as the kernels form them)."""
+    ns = w.cols // Q4K_BLOCK
+    b = w.qs.reshape(w.rows, ns, Q4K_BYTES)
+    hd = b[..., :4].contiguous().view(torch.float16).float()  # (rows, ns, 2): d, dmin
+    s = b[..., 4:16].long()
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    nib = b[..., 16:].reshape(w.rows, ns, 4, 1, BLOCK)
+    q = torch.cat([nib & 15, nib >> 4], dim=3).reshape(w.rows, w.cols)
+    step = (hd[..., 0:1] * sc.float()).reshape(w.rows, ns * 8)
+    off = -(hd[..., 1:2] * mn.float()).reshape(w.rows, ns * 8)
+    return q, step, off
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -326,6 +381,9 @@ def dequantize(w: QWeight) -> torch.Tensor:
         rows, kp = q.shape
         q = q.view(rows, kp // 16, 16) * w.d.float()[..., None]
         return q.view(rows, kp)[:, : w.cols].contiguous()
+    if w.fmt == "q4k":
+        q, step, off = q4k_affine(w)
+        return (q.float().view(w.rows, -1, BLOCK) * step[..., None] + off[..., None]).view(w.rows, w.cols)
     if w.fmt == "q8":
         q = w.qs.float()
     elif w.fmt == "q4":

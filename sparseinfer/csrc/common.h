@@ -8,6 +8,12 @@
  *   q6: qs uint8 rows x 3kp/4 (see quant.py: groups of 4 blocks = 64 nibble bytes in q4 order +
  *       32 bytes of 2-bit high parts, then 24-byte tail blocks); d f16 rows x 2nb, one scale
  *       per 16 values; no m.  value = d*(q - 32), q in 0..63.  Uses the XL_Q4 activation layout.
+ *   q4k: GGUF Q4_K super-blocks as the file stores them, 144 bytes per 256 values (row r at
+ *       qs + r*row_bytes, cols/256 blocks; cols a multiple of 256): f16 d, f16 dmin, 12 bytes
+ *       of 6-bit sub-block scales sc[8] and mins mn[8] (si_q4k_scale_min), then 128 bytes of
+ *       nibbles: bytes 32c..32c+31 hold values 64c..64c+31 in their low nibbles and values
+ *       64c+32..64c+63 in their high nibbles.  d, m are NULL.
+ *       value j of sub-block i (32 values) = d*sc[i]*q - dmin*mn[i].  Uses XL_Q8K activations.
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
  *   Rows may be strided (`row_bytes`, `ds` above the natural widths): the neuron records of
  *   a SparseFFN keep one neuron's gate, up and down_t rows and scales in one contiguous block,
@@ -22,6 +28,9 @@
  *       4 blocks (16 each), bytes 64..127 values 16..31; blocks after the last full group
  *       are stored naturally.  This is exactly the order a 64-byte q4 load yields after
  *       `& 0x0F` (low nibbles) and `>> 4` (high nibbles).
+ *   XL_Q8K (q4k): natural byte order, every block of a 256-value super-block quantized with
+ *       the super-block's one scale (llama.cpp's Q8_K): d and s are still stored per block of
+ *       32 (the 8 d's of a super-block equal), `de` is not filled.
  * `de` holds each block scale repeated once per int32 lane of a 512-bit dot product:
  *   XL_Q4: 16 floats per full group (d of block i at lanes 4i..4i+3);
  *   XL_NATURAL: 16 floats per pair of blocks (d of block i at lanes 8i..8i+7).
@@ -48,8 +57,9 @@
 #define SI_ARM 0
 #endif
 
-enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_COUNT = 6 };
-enum { XL_NATURAL = 0, XL_Q4 = 1 };
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_Q4K = 6, FMT_COUNT = 7 };
+enum { XL_NATURAL = 0, XL_Q4 = 1, XL_Q8K = 2 };
+#define SI_Q4K_BYTES 144 /* one q4k super-block */
 /* KV cache element types (si_attn_plan_t.kv_type; sparseinfer/kv_cache.py is the authority).
  * One cached position of one KV head is a row of D values:
  *   KV_F32: D floats;  KV_F16: D IEEE halves;
@@ -178,6 +188,9 @@ extern const struct si_attend_fns si_attend_avx2;   /* 8-float vectors (kern_avx
 extern const struct si_attend_fns si_attend_avx512; /* 16-float vectors (kern_avx512.c); D a multiple of 16 */
 void si_softmax_rows_avx2(float *sc, int n, int64_t L);
 void si_kv_store_avx2(int type, const float *x, void *row, int64_t D); /* F16C; also the AVX-512 levels' */
+/* q4k products (dot_q of the AVX2 level), also the AVX-512 levels' */
+void si_dot_q4k_avx2(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1, const xq_t *xq, int64_t T,
+                     const yout_t *out);
 #endif
 #ifndef ATT_LB
 #define ATT_LB 64 /* positions per block of the P V product (their V rows stay in L1/L2) */
@@ -188,6 +201,9 @@ extern const kernels_t si_kernels_scalar;
  * without their own use as they are */
 void si_quantize_portable(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq);
 void si_kv_store_portable(int type, const float *x, void *row, int64_t D);
+/* the XL_Q8K quantizer of every level (kern_scalar.c): per super-block of 256 values
+ * amax, d = amax/127, q = round(x * 127/amax) (ties to even), s = d*sum(q) per block of 32 */
+void si_quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq);
 #if SI_ARM
 extern const kernels_t si_kernels_neon;
 extern const kernels_t si_kernels_neon_dotprod;
@@ -334,6 +350,22 @@ static inline int si_q6_code(const uint8_t *row, int64_t nb, int64_t b, int j) {
     }
     const uint8_t *t = row + 96 * ng + 24 * (b - 4 * ng);
     return ((t[j & 15] >> (lo ? 0 : 4)) & 15) | (((t[16 + j % 8] >> (2 * (j / 8))) & 3) << 4);
+}
+
+/* q4k: the 6-bit scales (sc[i]) and mins (mn[i]) of the 8 sub-blocks from a super-block's
+ * 12 scale bytes (GGUF's packing: sub-blocks 0..3 in the low 6 bits of bytes 0..3 / 4..7,
+ * 4..7 in the nibbles of bytes 8..11 with their top 2 bits in the top bits of bytes 0..7).
+ * Four at a time in 32-bit words: sc = bytes 0..3 of s0 | s1 << 32 etc. */
+static inline void si_q4k_scale_min(const uint8_t *s12, uint32_t *sc_lo, uint32_t *sc_hi, uint32_t *mn_lo,
+                                    uint32_t *mn_hi) {
+    uint32_t a, b, c;
+    memcpy(&a, s12, 4);
+    memcpy(&b, s12 + 4, 4);
+    memcpy(&c, s12 + 8, 4);
+    *sc_lo = a & 0x3f3f3f3fu;
+    *mn_lo = b & 0x3f3f3f3fu;
+    *sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+    *mn_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
 }
 
 /* Number of lanes of `de` per token for a given kp (both layouts fit in 8 per block). */

@@ -383,8 +383,9 @@ const char *si_check_ffn_plan(si_ffn_plan_t *p) {
         return 0;
     }
     if (!shape(&p->down_t, F, n)) return "down_t must be (neurons, width)";
-    if (p->down_t.fmt == FMT_Q6 || (has(&p->w2t) && p->w2t.fmt == FMT_Q6))
-        return "q6 weights have no column-sparse (axpy) kernel";
+    if (p->down_t.fmt == FMT_Q6 || p->down_t.fmt == FMT_Q4K ||
+        (has(&p->w2t) && (p->w2t.fmt == FMT_Q6 || p->w2t.fmt == FMT_Q4K)))
+        return "q6 and q4k weights have no column-sparse (axpy) kernel";
     if (has(&p->down) && !p->order) return "null neuron order";
     if (has(&p->w1) != has(&p->w2t)) return "predictor needs both w1 and w2t";
     if (has(&p->w1) && (p->w1.cols != n || !shape(&p->w2t, p->w1.rows, F) || !p->b1 || !p->cut))

@@ -86,7 +86,7 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
          * quarter of L2, the rest of it for the rows they pass over (counting the codes alone
          * overfilled a 512 KB L2) */
         a.tchunk = up(si_l2_bytes() / 4 / (xq.q_stride + 4 * (xq.de_stride + 2 * xq.d_stride)), 4);
-        if (k->pack_tokens && T >= 16 && !xq.pair) {
+        if (k->pack_tokens && T >= 16 && !xq.pair && w->fmt != FMT_Q4K) {
             /* the tile kernels take every token at once (they block over K themselves) */
             const int64_t nb = w->kp / 32;
             xq.tiles = scratch(8 + xslot, (size_t)(T / 16) * k->tiles_bytes(nb) + 64);
@@ -151,6 +151,23 @@ static void deq_row(const qmat_t *w, int64_t r, float *o) {
             for (int64_t j = 0; j < cols; j++) o[j] = si_h2f(h[j]);
         else
             for (int64_t j = 0; j < cols; j++) o[j] = si_bf2f(h[j]);
+        return;
+    }
+    if (w->fmt == FMT_Q4K) { /* value = d*sc*q - dmin*mn per sub-block of 32 (common.h) */
+        for (int64_t sb = 0; sb < cols / 256; sb++) {
+            const uint8_t *blk = q + sb * SI_Q4K_BYTES;
+            uint16_t hd, hm;
+            memcpy(&hd, blk, 2);
+            memcpy(&hm, blk + 2, 2);
+            uint32_t sc[2], mn[2];
+            si_q4k_scale_min(blk + 4, &sc[0], &sc[1], &mn[0], &mn[1]);
+            for (int i = 0; i < 8; i++) {
+                const float d = si_h2f(hd) * (float)((sc[i / 4] >> (8 * (i % 4))) & 63);
+                const float m = si_h2f(hm) * (float)((mn[i / 4] >> (8 * (i % 4))) & 63);
+                const uint8_t *nib = blk + 16 + 32 * (i / 2);
+                for (int j = 0; j < 32; j++) o[256 * sb + 32 * i + j] = d * (float)((i & 1) ? nib[j] >> 4 : nib[j] & 15) - m;
+            }
+        }
         return;
     }
     const uint16_t *dr = w->d + r * w->ds, *mr = w->m ? w->m + r * w->ds : NULL;

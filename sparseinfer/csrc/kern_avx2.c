@@ -302,6 +302,66 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
         for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]);
 }
 
+/* q4k (GGUF Q4_K super-blocks, common.h) against XL_Q8K activations: per super-block and
+ * (row, token) the products of a sub-block's nibbles and int8 activations are summed in int16
+ * pairs (VPMADDUBSW: at most 2 * 15 * 127), multiplied by the sub-block's 6-bit scale and
+ * summed to int32 (VPMADDWD), so the float work is one multiply-add per 256 weights plus the
+ * mins term (mn[i] * s[i], s the activation's block sums).  Rows are walked one at a time
+ * within a super-block (their sums and unpacked codes fit the 16 registers); R rows and T
+ * tokens of a tile only share the loop, so every (row, token) is computed the same way for
+ * any R and T (a prompt row equals the one-token result). */
+AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T,
+                 const int t0, float (*res)[4]) {
+    const int64_t ns = w->kp / 256;
+    const uint8_t *qp[8], *pf[8];
+    __m256 acc[8][4];
+    for (int r = 0; r < R; r++) {
+        qp[r] = w->qs + rr[r] * w->row_bytes;
+        pf[r] = w->qs + rn[r] * w->row_bytes;
+        for (int t = 0; t < T; t++) acc[r][t] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    /* VPSHUFB indices that broadcast the int16 scale of sub-block i to every lane */
+#define SCB(i) _mm256_set1_epi16((short)((2 * (i)) | ((2 * (i) + 1) << 8)))
+    for (int64_t sb = 0; sb < ns; sb++) {
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = qp[r] + sb * SI_Q4K_BYTES, *nb = pf[r] + sb * SI_Q4K_BYTES;
+            for (int o = 0; o < SI_Q4K_BYTES; o += 48) pfh((const char *)nb + o, t0); /* every line it spans */
+            pfh((const char *)nb + SI_Q4K_BYTES - 1, t0);
+            uint32_t sc0, sc1, mn0, mn1;
+            si_q4k_scale_min(blk + 4, &sc0, &sc1, &mn0, &mn1);
+            uint16_t hd, hm;
+            memcpy(&hd, blk, 2);
+            memcpy(&hm, blk + 2, 2);
+            const __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc1, (int)sc0)));
+            const __m256 mneg = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn1, (int)mn0))),
+                                              _mm256_set1_ps(-_cvtsh_ss(hm)));
+            const float dw = _cvtsh_ss(hd);
+            __m256i sumi[4];
+            for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i sl = _mm256_shuffle_epi8(scv, SCB(2 * c)), sh = _mm256_shuffle_epi8(scv, SCB(2 * c + 1));
+                for (int t = 0; t < T; t++) {
+                    const int8_t *xb = xq->q + t * xq->q_stride + 256 * sb + 64 * c;
+                    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)), sl);
+                    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 32))), sh);
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const float *dx = xq->d + t * xq->d_stride + 8 * sb, *sx = xq->s + t * xq->d_stride + 8 * sb;
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[t]), _mm256_set1_ps(dw * dx[0]), acc[r][t]);
+                acc[r][t] = _mm256_fmadd_ps(mneg, _mm256_loadu_ps(sx), acc[r][t]);
+            }
+        }
+    }
+#undef SCB
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) res[r][t] = hsum8(acc[r][t]);
+}
+
 /* Two rows by four tokens of q4 for many-token products: the per-(row, token) arithmetic and
  * its order are q4_tile's (bit-identical), with the eight sums in registers. */
 AI void q4_2x4_rows(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float (*res)[4]) {
@@ -364,6 +424,13 @@ static __attribute__((noinline)) void q4_4x4(const qmat_t *w, const int64_t *rr,
 TILE8_FN(q4_8x1, q4_tile)
 TILE8_FN(q8_8x1, q8_tile)
 TILE8_FN(q6_8x1, q6_tile)
+TILE8_FN(q4k_8x1, q4k_tile)
+TILE_FN(q4k_4x4, q4k_tile, 4, 4)
+TILE_FN(q4k_4x1, q4k_tile, 4, 1)
+TILE_FN(q4k_1x4, q4k_tile, 1, 4)
+TILE_FN(q4k_1x1, q4k_tile, 1, 1)
+TILE_FN(q4k_4x2, q4k_tile, 4, 2)
+TILE_FN(q4k_1x2, q4k_tile, 1, 2)
 TILE_FN(q4_4x1, q4_tile, 4, 1)
 TILE_FN(q4_1x4, q4_tile, 1, 4)
 TILE_FN(q4_1x1, q4_tile, 1, 1)
@@ -383,11 +450,12 @@ TILE_FN(q6_4x2, q6_tile, 4, 2)
 TILE_FN(q6_1x2, q6_tile, 1, 2)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
-/* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1) */
-static const qtile_fn QTILES[3][2][3] = {
+/* the tile for a format (q8, q4, q6, q4k: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1) */
+static const qtile_fn QTILES[4][2][3] = {
     {{q8_4x4, q8_4x2, q8_4x1}, {q8_1x4, q8_1x2, q8_1x1}},
     {{q4_4x4, q4_4x2, q4_4x1}, {q4_1x4, q4_1x2, q4_1x1}},
     {{q6_4x4, q6_4x2, q6_4x1}, {q6_1x4, q6_1x2, q6_1x1}},
+    {{q4k_4x4, q4k_4x2, q4k_4x1}, {q4k_1x4, q4k_1x2, q4k_1x1}},
 };
 
 /* Tile rows come from 4 separate quarters of [i0, i1) when there is one token, so no two
@@ -405,6 +473,7 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
     const qtile_fn(*tiles)[3] = QTILES[w->fmt - FMT_Q8];
+    static const si_tile8_fn TILE8[4] = {q8_8x1, q4_8x1, q6_8x1, q4k_8x1};
     const int P = xq->pair ? 1 : 0;
     if (T == 1 && !P && rows && i1 - i0 >= 16) {
         /* one token over gathered rows: tiles of 8 rows, each from its own eighth of [i0, i1),
@@ -414,8 +483,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
          * L1 hint (T0) gains more than T1 with separate scales.  Compared on an AVX-512 CPU
          * with SPARSEINFER_SIMD=avx2 (`python benchmarks/kernels.py`), not yet on an
          * AVX2-only one. */
-        si_dot_rows8(w, rows, i0, i1, xq, out, w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1,
-                     tiles[1][2]);
+        si_dot_rows8(w, rows, i0, i1, xq, out, TILE8[w->fmt - FMT_Q8], tiles[1][2]);
         return;
     }
     const walk_t wk = walk_init(i0, i1, T >> P);
@@ -879,6 +947,12 @@ static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int6
         cols_finish(lo, full, 8, dq, mq, dx, sx, y);
         cols_finish(hi, full + 32, 8, dq, mq, dx, sx, y);
     }
+}
+
+/* the AVX-512 levels' q4k products (they have no kernels of their own for it) */
+void si_dot_q4k_avx2(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1, const xq_t *xq, int64_t T,
+                     const yout_t *out) {
+    dot_q(w, rows, i0, i1, xq, T, out);
 }
 
 const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, &si_attend_avx2, 8,

@@ -529,6 +529,10 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
+    if (w->fmt == FMT_Q4K) {
+        si_dot_q4k_avx2(w, rows, i0, i1, xq, T, out);
+        return;
+    }
     const qtile_fn(*tiles)[4] = QTILES[w->fmt - FMT_Q8];
     const int P = xq->pair ? 1 : 0;
     if (T == 1 && !P && rows && i1 - i0 >= 16) {

@@ -78,6 +78,10 @@ AI float row_dot(const qmat_t *w, const uint8_t *row, const uint16_t *dw, const 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1, const xq_t *xq, int64_t T,
                   const yout_t *out) {
+    if (w->fmt == FMT_Q4K) { /* no NEON kernel for it yet: the portable one */
+        si_kernels_scalar.dot_q(w, rows, i0, i1, xq, T, out);
+        return;
+    }
     for (int64_t i = i0; i < i1; i++) {
         const int64_t r = si_row(rows, i);
         const uint8_t *row = w->qs + r * w->row_bytes;

@@ -51,6 +51,31 @@ void si_quantize_portable(const float *x, int64_t K, int64_t kp, int64_t t0, int
     }
 }
 
+void si_quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+    const int64_t nb = kp / 32;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * K;
+        int8_t *q = xq->q + t * xq->q_stride;
+        float *d = xq->d + t * xq->d_stride, *s = xq->s + t * xq->d_stride;
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+            const int64_t k0 = 32 * b0, n = K - k0 < 256 ? K - k0 : 256;
+            float amax = 0.0f;
+            for (int64_t j = 0; j < n; j++) amax = fabsf(xt[k0 + j]) > amax ? fabsf(xt[k0 + j]) : amax;
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, db = amax / 127.0f;
+            for (int64_t b = b0; b < b0 + 8 && b < nb; b++) {
+                int32_t isum = 0;
+                for (int j = 0; j < 32; j++) {
+                    const int64_t k = 32 * b + j;
+                    q[k] = (int8_t)(k < K ? lrintf(xt[k] * id) : 0);
+                    isum += q[k];
+                }
+                d[b] = db;
+                s[b] = db * (float)isum;
+            }
+        }
+    }
+}
+
 static inline int wq_at(const qmat_t *w, const uint8_t *row, int64_t b, int j) {
     if (w->fmt == FMT_Q8) return (int8_t)row[b * 32 + j];
     uint8_t byte = row[b * 16 + (j & 15)];
@@ -63,13 +88,32 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
     for (int64_t i = i0; i < i1; i++) {
         int64_t r = si_row(rows, i);
         const uint8_t *row = w->qs + r * w->row_bytes;
-        const uint16_t *dw = w->d + r * w->ds, *mw = w->m ? w->m + r * w->ds : NULL;
+        const uint16_t *dw = w->d ? w->d + r * w->ds : NULL, *mw = w->m ? w->m + r * w->ds : NULL;
         float yv = 0.0f;
         for (int64_t t = 0; t < T; t++) {
             const int8_t *q = xq->q + t * xq->q_stride;
             const float *dx = xq->d + t * xq->d_stride, *sx = xq->s + t * xq->d_stride;
             float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
+            for (int64_t b = 0; b < nb && w->fmt == FMT_Q4K; b += 8) { /* a super-block */
+                const uint8_t *blk = row + b / 8 * SI_Q4K_BYTES;
+                uint16_t hd, hm;
+                memcpy(&hd, blk, 2);
+                memcpy(&hm, blk + 2, 2);
+                uint32_t sc[2], mn[2];
+                si_q4k_scale_min(blk + 4, &sc[0], &sc[1], &mn[0], &mn[1]);
+                int32_t isum = 0;
+                float msum = 0.0f;
+                for (int i = 0; i < 8; i++) {
+                    const int sci = (sc[i / 4] >> (8 * (i % 4))) & 63, mni = (mn[i / 4] >> (8 * (i % 4))) & 63;
+                    const uint8_t *nib = blk + 16 + 32 * (i / 2);
+                    int32_t si = 0;
+                    for (int j = 0; j < 32; j++) si += ((i & 1) ? nib[j] >> 4 : nib[j] & 15) * q[32 * (b + i) + j];
+                    isum += sci * si;
+                    msum += (float)mni * sx[b + i];
+                }
+                acc += si_h2f(hd) * dx[b] * (float)isum - si_h2f(hm) * msum;
+            }
+            for (int64_t b = 0; b < nb && w->fmt != FMT_Q4K; b++) {
                 if (w->fmt == FMT_Q6) { /* a scale per 16 values: two integer sums per block */
                     int32_t is0 = 0, is1 = 0;
                     for (int j = 0; j < 16; j++) is0 += (si_q6_code(row, nb, b, j) - 32) * q[si_xpos(xq->layout, nb, b, j)];

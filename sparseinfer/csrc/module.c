@@ -68,9 +68,9 @@ static int get_qmat(PyObject *o, qmat_t *w, int allow_none, int *is_none) {
 
 /* the column-sparse kernels (axpy over neuron-major rows) take f32/f16/bf16/q8/q4 */
 static int axpy_fmt_ok(const qmat_t *w, const char *what) {
-    if (w->fmt != FMT_Q6) return 1;
-    PyErr_Format(PyExc_ValueError, "%s: q6 weights have no column-sparse (axpy) kernel; store the neuron-major "
-                 "matrix as q8 (from_float(w.dequantize(), \"q8\"))", what);
+    if (w->fmt != FMT_Q6 && w->fmt != FMT_Q4K) return 1;
+    PyErr_Format(PyExc_ValueError, "%s: %s weights have no column-sparse (axpy) kernel; store the neuron-major "
+                 "matrix as q8 (from_float(w.dequantize(), \"q8\"))", what, w->fmt == FMT_Q6 ? "q6" : "q4k");
     return 0;
 }
 
@@ -695,6 +695,7 @@ PyMODINIT_FUNC PyInit__cpu(void) {
     PyModule_AddIntConstant(mod, "FMT_Q8", FMT_Q8);
     PyModule_AddIntConstant(mod, "FMT_Q4", FMT_Q4);
     PyModule_AddIntConstant(mod, "FMT_Q6", FMT_Q6);
+    PyModule_AddIntConstant(mod, "FMT_Q4K", FMT_Q4K);
     PyModule_AddIntConstant(mod, "XL_NATURAL", XL_NATURAL);
     PyModule_AddIntConstant(mod, "XL_Q4", XL_Q4);
     PyModule_AddIntConstant(mod, "ACT_INT8", ACT_INT8);

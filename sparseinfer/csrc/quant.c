@@ -51,8 +51,12 @@ int si_xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
  * x as the products. */
 void si_quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1,
                      const xq_t *xq) {
+    /* one quantizer for the super-block layout on every level (it is a small part of a
+     * product: one pass over K floats per token) */
+    void (*quantize)(const float *, int64_t, int64_t, int64_t, int64_t, const xq_t *) =
+        xq->layout == XL_Q8K ? si_quantize_q8k : k->quantize;
     if (!xq->pair) {
-        k->quantize(x, K, kp, t0, t1, xq);
+        quantize(x, K, kp, t0, t1, xq);
         return;
     }
     const int64_t nb = kp / 32;
@@ -60,7 +64,7 @@ void si_quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, 
     hi.q_stride *= 2;
     hi.d_stride *= 2;
     hi.de_stride *= 2;
-    k->quantize(x, K, kp, t0, t1, &hi);
+    quantize(x, K, kp, t0, t1, &hi);
     /* residuals of up to RT tokens at a time */
     enum { RBUF = 8192 };
     float buf[RBUF], *r = buf, *heap = NULL;
@@ -96,7 +100,7 @@ void si_quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, 
         lo.d += xq->d_stride + ta * hi.d_stride;
         lo.s += xq->d_stride + ta * hi.d_stride;
         lo.de += xq->de_stride + ta * hi.de_stride;
-        k->quantize(r, K, kp, 0, tb - ta, &lo);
+        quantize(r, K, kp, 0, tb - ta, &lo);
     }
     free(heap);
 }
@@ -107,7 +111,7 @@ void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, flo
     int64_t kp = (K + 31) / 32 * 32;
     xq_t xq;
     if (si_xq_alloc(&xq, 0, layout, kp, 1) != 0) abort();
-    si_kern()->quantize(x, K, kp, 0, 1, &xq);
+    (layout == XL_Q8K ? si_quantize_q8k : si_kern()->quantize)(x, K, kp, 0, 1, &xq);
     memcpy(q, xq.q, (size_t)kp);
     memcpy(d, xq.d, (size_t)(kp / 32) * sizeof(float));
     memcpy(s, xq.s, (size_t)(kp / 32) * sizeof(float));

@@ -131,9 +131,13 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
     case FMT_F16: case FMT_BF16: w->row_bytes = 2 * cols; break;
     case FMT_Q8: w->row_bytes = w->kp; break;
     case FMT_Q6: w->row_bytes = w->kp / 4 * 3; break;
+    case FMT_Q4K:
+        if (cols % 256) return -1;
+        w->row_bytes = cols / 256 * SI_Q4K_BYTES;
+        break;
     default: w->row_bytes = w->kp / 2; break;
     }
-    w->nd = fmt == FMT_Q6 ? 2 * w->nb : w->nb;
+    w->nd = fmt == FMT_Q6 ? 2 * w->nb : fmt == FMT_Q4K ? 0 : w->nb;
     w->ds = w->nd;
     /* strides: 0 = natural; never below the natural widths */
     if (qs_stride) {
@@ -144,9 +148,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
         if (d_stride < w->nd) return -1;
         w->ds = d_stride;
     }
-    if (fmt >= FMT_Q8 && !d && rows > 0) return -1;
+    if (fmt >= FMT_Q8 && fmt != FMT_Q4K && !d && rows > 0) return -1;
     if (fmt == FMT_Q4 && !m && rows > 0) return -1;
-    if (fmt < FMT_Q8) w->d = w->m = NULL;
+    if (fmt < FMT_Q8 || fmt == FMT_Q4K) w->d = w->m = NULL, w->ds = 0;
     if (fmt == FMT_Q6) w->m = NULL;
     return 0;
 }

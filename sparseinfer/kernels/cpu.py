@@ -23,7 +23,7 @@ import ctypes
 from sparseinfer.kernels import reference
 from sparseinfer.kernels.cstructs import QMat, check_layout
 from sparseinfer.kv_cache import KV_CODES, row_bytes, storage_dtype
-from sparseinfer.quant import FORMATS, ColWeight, QWeight
+from sparseinfer.quant import FORMATS, Q4K_BLOCK, Q4K_BYTES, ColWeight, QWeight
 
 try:
     from sparseinfer import _cpu
@@ -36,10 +36,10 @@ except ImportError as e:  # no compiler at install time, or a stale build
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "stacked_view", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
-_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5}
+_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5, "q4k": 6}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 _QS_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8}
+             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8, "q4k": torch.uint8}
 _F32 = torch.float32
 _I32 = torch.int32
 _Tensor = torch.Tensor
@@ -85,7 +85,10 @@ def qmat(w: QWeight) -> tuple[QMat, int]:
         raise ValueError(f"unknown weight format {w.fmt!r}; expected one of {FORMATS}")
     kp = (w.cols + 31) // 32 * 32
     shapes = {"f32": (w.rows, w.cols), "f16": (w.rows, w.cols), "bf16": (w.rows, w.cols),
-              "q8": (w.rows, kp), "q4": (w.rows, kp // 2), "q6": (w.rows, kp // 4 * 3)}
+              "q8": (w.rows, kp), "q4": (w.rows, kp // 2), "q6": (w.rows, kp // 4 * 3),
+              "q4k": (w.rows, w.cols // Q4K_BLOCK * Q4K_BYTES)}
+    if w.fmt == "q4k" and (w.cols % Q4K_BLOCK or w.d is not None or w.m is not None):
+        raise ValueError(f"q4k weight needs a multiple of {Q4K_BLOCK} columns (got {w.cols}) and no separate scales")
     qst = _check_tensor(w.qs, f"{w.fmt} weight qs", _QS_DTYPE[w.fmt], shapes[w.fmt])
     d = m = dst = 0
     if w.fmt in ("q8", "q4", "q6"):

@@ -8,8 +8,9 @@ Accuracy contract of the fast kernels against these:
   so only the summation order differs: ``|y - ref| <= 1e-5 * sum_k |w_k x_k|`` (+ 1e-30).
   For q8/q4 the same relative term uses ``|d*q| + |m|`` in place of ``|w|`` (`magnitude`),
   since the kernels add the two parts separately and they can cancel.
-- integer formats (q8/q4/q6): the fast kernels quantize the activation x per block of 32 to
-  int8: ``d_hi = amax/127``, ``q_hi = round(x/d_hi)`` (`quantize_activation`, llama.cpp's Q8
+- integer formats (q8/q4/q6/q4k): the fast kernels quantize the activation x per block of 32
+  (per super-block of 256 for q4k, llama.cpp's Q8_K; `activation_group`) to int8:
+  ``d_hi = amax/127``, ``q_hi = round(x/d_hi)`` (`quantize_activation`, llama.cpp's Q8
   activations; mode "int8", the default), so each x value is off by at most d_hi/2 (~1e-2 of
   ``sum |w x|``).  In mode "precise" (`cpu.set_activation_mode`, $SPARSEINFER_ACT_MODE) a
   second int8 term q_lo, d_lo quantizes the f32 residual ``r = x - d_hi*q_hi`` the same way
@@ -29,9 +30,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseinfer.quant import BLOCK, ColWeight, QWeight, padded, unpack_nibbles, unpack_q6
+from sparseinfer.quant import BLOCK, Q4K_BLOCK, ColWeight, QWeight, padded, q4k_affine, unpack_nibbles, unpack_q6
 
-INT_FORMATS = ("q8", "q4", "q6")
+INT_FORMATS = ("q8", "q4", "q6", "q4k")
+
+
+def activation_group(fmt: str) -> int:
+    """How many activation values share one int8 scale in a format's integer products."""
+    return Q4K_BLOCK if fmt == "q4k" else BLOCK
 
 # The activation table: every name a config may use, mapped to the one of ACTIVATIONS that
 # computes it (the C kernels' names, in the order of their ACT_* codes).  dReLU (Bamboo,
@@ -167,38 +173,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ---------------------------------------------------------------- integer-format emulation
 
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' 8-bit activation quantizer: (q int8 (Kp,), d f32 (nb,), s f32 (nb,)).
 
-    Per block of 32 (x padded with zeros): d = amax/127, q = round(x * (127/amax)) (ties to
-    even), s = d * sum(q) in f32 (the block's sum as the products see it; for the ``m`` term)."""
+    Per group of `group` values (32, or 256 for q4k; x padded with zeros): d = amax/127,
+    q = round(x * (127/amax)) (ties to even); d is given per block of 32 (equal within a
+    group) and s = d * sum(q) in f32 per block of 32 (the block's sum as the products see it;
+    for the ``m`` term)."""
     x = x.float().reshape(-1)
     kp = padded(x.numel())
-    xp = torch.zeros(kp)
+    kg = (kp + group - 1) // group * group
+    xp = torch.zeros(kg)
     xp[: x.numel()] = x
-    b = xp.view(-1, BLOCK)
+    b = xp.view(-1, group)
     amax = b.abs().amax(-1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(b * inv[:, None]).to(torch.int8)
-    d = amax / 127.0
-    return q.reshape(kp), d, d * q.sum(-1, dtype=torch.int32).float()
+    q = torch.round(b * inv[:, None]).to(torch.int8).reshape(kg)[:kp]
+    d = (amax / 127.0).repeat_interleave(group // BLOCK)[: kp // BLOCK]
+    return q, d, d * q.view(-1, BLOCK).sum(-1, dtype=torch.int32).float()
 
 
 MODES = ("int8", "precise")
 
 
-def quantize_activation2(x: torch.Tensor):
+def quantize_activation2(x: torch.Tensor, group: int = BLOCK):
     """The kernels' two-term activation quantizer ("precise"): (q_hi, d_hi, q_lo, d_lo, s).
     q_hi, d_hi as `quantize_activation`; q_lo, d_lo are `quantize_activation` of the f32
     residual ``x - d_hi*q_hi`` (product rounded to f32, then the difference); s (float64) =
     the two terms' block sums added."""
     x = x.float().reshape(-1)
-    qh, dh, sh = quantize_activation(x)
+    qh, dh, sh = quantize_activation(x, group)
     kp = qh.numel()
     xp = torch.zeros(kp)
     xp[: x.numel()] = x
     r = xp.view(-1, BLOCK) - dh[:, None] * qh.view(-1, BLOCK).float()
-    ql, dl, sl = quantize_activation(r.reshape(kp)[: x.numel()])
+    ql, dl, sl = quantize_activation(r.reshape(kp)[: x.numel()], group)
     return qh, dh, ql, dl, sh.double() + sl.double()
 
 
@@ -207,25 +216,27 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"activation mode must be one of {MODES} (got {mode!r})")
 
 
-def activation_rounded(x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
+def activation_rounded(x: torch.Tensor, mode: str = "int8", group: int = BLOCK) -> torch.Tensor:
     """(nb, 32) float64: x as the integer-format kernels see it in `mode` (padded with zeros)."""
     _check_mode(mode)
     if mode == "precise":
-        qh, dh, ql, dl, _ = quantize_activation2(x)
+        qh, dh, ql, dl, _ = quantize_activation2(x, group)
         return (qh.double().view(-1, BLOCK) * dh.double()[:, None]
                 + ql.double().view(-1, BLOCK) * dl.double()[:, None])
-    q, d, _ = quantize_activation(x)
+    q, d, _ = quantize_activation(x, group)
     return q.double().view(-1, BLOCK) * d.double()[:, None]
 
 
 def gemv_emulated(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor:
     """y = W x for q8/q4/q6 with x rounded exactly as the fast kernels do in `mode` (float64)."""
     _check_mode(mode)
-    s = quantize_activation2(x)[4] if mode == "precise" else quantize_activation(x)[2].double()
-    xdq = activation_rounded(x, mode)  # (nb, 32)
-    y = _scaled_codes(w) @ xdq.reshape(-1)
-    if w.m is not None:
-        y = y + w.m.double() @ s
+    g = activation_group(w.fmt)
+    s = quantize_activation2(x, g)[4] if mode == "precise" else quantize_activation(x, g)[2].double()
+    xdq = activation_rounded(x, mode, g)  # (nb, 32)
+    codes, m = _affine(w)
+    y = codes @ xdq.reshape(-1)
+    if m is not None:
+        y = y + m @ s
     return y
 
 
@@ -234,14 +245,24 @@ def magnitude(w: QWeight) -> torch.Tensor:
     kernel adds, which is what rounding errors scale with (d*q and m can cancel)."""
     if w.fmt not in INT_FORMATS:
         return w.dequantize().double().abs()
-    a = _scaled_codes(w).abs().view(w.rows, -1, BLOCK)
-    if w.m is not None:
-        a = a + w.m.double().abs()[..., None]
+    codes, m = _affine(w)
+    a = codes.abs().view(w.rows, -1, BLOCK)
+    if m is not None:
+        a = a + m.abs()[..., None]
     return a.reshape(w.rows, -1)[:, : w.cols]
 
 
+def _affine(w: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d*q (rows, Kp), m (rows, nb) or None) in float64: an integer-format weight as the
+    kernels split it, value = d*q + m per block of 32."""
+    if w.fmt == "q4k":
+        q, step, off = q4k_affine(w)
+        return (q.double().view(w.rows, -1, BLOCK) * step.double()[..., None]).view(w.rows, -1), off.double()
+    return _scaled_codes(w), None if w.m is None else w.m.double()
+
+
 def _scaled_codes(w: QWeight) -> torch.Tensor:
-    """(rows, Kp) float64 d*q of an integer-format weight (q - 32 for q6), without the m term."""
+    """(rows, Kp) float64 d*q of a q8/q4/q6 weight (q - 32 for q6), without the m term."""
     if w.fmt == "q6":
         q = unpack_q6(w.qs).double() - 32
         return (q.view(w.rows, -1, 16) * w.d.double()[..., None]).view(w.rows, -1)
@@ -257,7 +278,8 @@ def error_bound(w: QWeight, x: torch.Tensor, mode: str = "int8") -> torch.Tensor
     fl = 1e-5 * (magnitude(w) @ xd.abs()) + 1e-30
     if w.fmt not in INT_FORMATS:
         return fl
-    d = quantize_activation2(x)[3] if mode == "precise" else quantize_activation(x)[1]
+    g = activation_group(w.fmt)
+    d = quantize_activation2(x, g)[3] if mode == "precise" else quantize_activation(x, g)[1]
     kp = padded(w.cols)
     wa = torch.zeros(w.rows, kp, dtype=torch.float64)
     wa[:, : w.cols] = w.dequantize().double().abs()
