@@ -13,7 +13,8 @@ Records cited by docs/performance.md (which gives the exact commands) are in ben
    (down_t) and the fused sparse_ffn at active fractions 1, 0.5, 0.25, 0.1, 0.05 (random
    sorted row ids), timed against the dense kernel reading the same bytes; sparse_ffn also on
    neuron records (q4/q8: one contiguous gate+up+down_t record per neuron).  q6 (GGUF Q6_K
-   tensors) has row kernels only: gemv and gemv_rows.
+   tensors) and q4k (Q4_K as stored, with --formats q4k) have row kernels only: gemv and
+   gemv_rows.
 4. Input-sparse products on column-grouped q4 weights (`gemv_cols`, q4 only) on both shapes at
    the same kept fractions of the inputs (random x, threshold at the quantile), against the
    dense q4 gemv of the same shape.
@@ -220,7 +221,7 @@ class Bench:
             touched = n * ws[0].row_bytes()
             t = self.rotate(ws, lambda w: cpu.gemv_rows(w, x, rows, out=yr))
             self.add("gemv_rows", fmt, d_ff, d_model, frac, t, touched, vs_dense=t / t_up)
-            if fmt == "q6":  # row kernels only: a q6 FFN keeps its down_t in q8 (no q6 axpy)
+            if fmt in ("q6", "q4k"):  # row kernels only: their FFNs keep down_t in q8 (no axpy)
                 log(f"  {fmt:4s} {d_ff}x{d_model} active {frac:4.2f}: gemv_rows {t * 1e3:6.3f} ms ({t_up / t:4.1f}x)")
                 continue
             t2 = self.rotate(ws, lambda w: cpu.axpy_rows(w, h, rows, out=xo))
@@ -610,7 +611,7 @@ def main(argv=None):
     for name in models:
         d_ff, d_model = MODELS[name]
         log(f"{name}: d_ff {d_ff}, d_model {d_model}")
-        for fmt in [f for f in args.formats if f in ("q4", "q8", "q6")]:
+        for fmt in [f for f in args.formats if f in ("q4", "q8", "q6", "q4k")]:
             rb = from_float(torch.zeros(1, d_model), fmt).row_bytes()
             g = random_rows_probe(rb, 0.1)
             b.add("read_rows_probe", fmt, d_ff, d_model, 0.1, 0.0, 0, row_bytes=rb, probe_rows_gbps=g,

@@ -594,7 +594,36 @@ def tensor_to_qweight(t, keep_float: str | None = None, alloc=None):
 _CHUNK_BYTES = 4 << 20  # file bytes converted at a time (`tensor_to_qweight`)
 
 
+# Kernel levels that load Q4_K as q4k (GGUF Q4_K as the file stores it, 4.5 bits per weight)
+# rather than the q4 repack (5 bits) by default: those where q4k's products measure faster
+# (`python benchmarks/kernels.py --formats q4,q4k`, and `sparseinfer bench` with
+# $SPARSEINFER_Q4K=0 and 1 alternated).  None so far: docs/kernels.md says why on AVX2, and the
+# AVX-512 levels run the AVX2 q4k kernel, not one of their own.
+Q4K_LEVELS: tuple[str, ...] = ()
+
+
+def keep_q4k() -> bool:
+    """Whether Q4_K tensors stay as the file stores them (format q4k) rather than being
+    repacked to q4: $SPARSEINFER_Q4K=1 or 0 when set, else where the kernel level in use is
+    one of `Q4K_LEVELS`.  Every level computes with either format."""
+    env = os.environ.get("SPARSEINFER_Q4K", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    try:  # the compiled core itself: io sits below the kernels' Python wrappers
+        from .. import _cpu as lib
+    except ImportError:
+        return False
+    return lib.simd_level() in Q4K_LEVELS
+
+
 def _repack(tname: str, raw: np.ndarray, rows: int, cols: int):
+    if tname == "Q4_K" and cols % 256 == 0 and keep_q4k():
+        import torch
+
+        from ..quant import QWeight
+
+        # the file's bytes as they are (a copy: the file's pages leave after the conversion)
+        return QWeight("q4k", rows, cols, torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(rows, -1)))
     fast = _repack_c(tname, raw, rows, cols)
     return fast if fast is not None else _repack_numpy(tname, raw, rows, cols)
 

@@ -130,6 +130,8 @@ class WeightSource:
             parts, what = [x], "values"
         elif x.qs.is_floating_point():
             parts, what = [x.qs], "values"
+        elif x.fmt == "q4k":  # each super-block's f16 d and dmin
+            parts, what = [x.qs.reshape(x.rows, -1, 144)[..., :4].contiguous().view(torch.float16)], "block scales"
         else:
             parts, what = [t for t in (x.d, x.m) if t is not None], "block scales"
         bad = sum(int((~torch.isfinite(t)).sum()) for t in parts)
