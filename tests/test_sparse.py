@@ -540,6 +540,33 @@ def test_build_pack_tiny(tmp_path, steps):
     restore(model, replace_ffns(model, lambda i, m: m))  # a no-op swap keeps the model intact
 
 
+def test_sparsity_search_measures_decode_speed_at_each_point(tmp_path):
+    """With a perplexity budget, every sparsity the search tries records its decode speed with
+    the thresholds alone against dense (measured, both positive), and the model is left dense;
+    the perplexity-vs-speed plot draws that history."""
+    from sparseinfer.sparse.plots import plot_ppl_vs_speed
+    from sparseinfer.sparse.prepare import PrepareOptions, build_pack
+
+    model, src = tiny("llama", tmp_path)
+    g = torch.Generator().manual_seed(0)
+    cs = cal.CalibrationSet(torch.randint(3, 250, (12, 32), generator=g), torch.randint(3, 250, (2, 32), generator=g),
+                            {"tokens": 384})
+    x = torch.randint(3, 250, (1, 8), generator=g)
+    with torch.inference_mode():
+        before = model(x, model.new_cache(16))
+        pack = build_pack(model, src, cs, PrepareOptions(sizes=(16,), steps=5, max_ppl_increase=0.05, progress=False))
+        after = model(x, model.new_cache(16))
+    torch.testing.assert_close(after, before)
+    search = pack.info["search"]
+    assert search[0]["sparsity"] == 0.0 and len(search) >= 2
+    for p in search[1:]:
+        assert p["speedup"] > 0 and p["dense_tok_s"] > 0 and p["sparse_tok_s"] > 0
+    pytest.importorskip("matplotlib")
+    speed = {"speedup": 1.1, "dense_tok_s": 10.0, "sparse_tok_s": 11.0}
+    out = plot_ppl_vs_speed(search, 0.05, pack.info["eval"], speed, tmp_path / "speed.png")
+    assert out.stat().st_size > 1000
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8", "q6", "f16"])
 def test_transpose_neuron_major_equals_whole_matrix_requantization(fmt):
     """The load-time neuron-major copy of `down` (compiled dequantization, sliced

@@ -22,7 +22,7 @@ def add_parser(subparsers):
     p.add_argument("--steps", type=int, default=400, help="training steps per predictor size")
     p.add_argument("--sizes", default=None, help="predictor hidden-size ladder, e.g. 64,128,256")
     p.add_argument("-o", "--output", default=None, help="pack path (default: MODEL.sparse / FOLDER/sparsity.sparse)")
-    p.add_argument("--no-plot", action="store_true", help="skip the activation-frequency PNG")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNGs (activation frequency, perplexity vs speed)")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out perplexity check")
     p.add_argument("--no-speed-check", action="store_true",
                    help="skip decoding with and without the pack (a pack is then used wherever it is found)")

@@ -248,9 +248,11 @@ class SearchResult:
 
 def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase: float,
                     hi: float = 0.95, steps: int = 6, progress: bool = True,
-                    allocation: str = "uniform") -> SearchResult:
+                    allocation: str = "uniform", on_point=None) -> SearchResult:
     """Largest mean sparsity whose thresholded perplexity on `eval_seqs` is within
-    (1 + max_increase) x dense, by bisection (perplexity grows with sparsity)."""
+    (1 + max_increase) x dense, by bisection (perplexity grows with sparsity).
+    `on_point(s)`, when given, runs at each sparsity tried (its thresholds set) and returns a
+    dict added to that point of the history (e.g. a measured decode speed)."""
     set_thresholds(ffns, [0.0] * len(ffns))
     dense = math.exp(eval_nll(model, eval_seqs))
     budget = dense * (1 + max_increase)
@@ -260,7 +262,7 @@ def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase:
     def ppl_at(s: float) -> float:
         set_thresholds(ffns, thresholds_for(samples, s, allocation))
         p = math.exp(eval_nll(model, eval_seqs))
-        history.append({"sparsity": s, "ppl": p})
+        history.append({"sparsity": s, "ppl": p, **(on_point(s) if on_point else {})})
         bar.update(1)
         bar.set_postfix(s=f"{s:.3f}", ppl=f"{p:.3f}", budget=f"{budget:.3f}")
         return p

@@ -1,4 +1,5 @@
-"""Plots (matplotlib, Agg): the activation-frequency power law of a pack, perplexity vs sparsity."""
+"""Plots (matplotlib, Agg): the activation-frequency power law of a pack, perplexity vs sparsity,
+perplexity vs decode speed."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,6 +66,39 @@ def plot_ppl_vs_sparsity(curves: dict[str, list[dict]], path: str | Path) -> Pat
     ax.axhline(3, color="grey", lw=0.8, ls=":", label="+3%")
     ax.set(xlabel="FFN sparsity (mean fraction of neurons zeroed per token)",
            ylabel="WikiText-2 perplexity increase over dense (%)", title="Perplexity vs activation sparsity")
+    ax.legend(fontsize=7.5)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_ppl_vs_speed(search: list[dict], budget: float, ev: dict | None, speed: dict, path: str | Path,
+                      title: str = "") -> Path:
+    """The sparsity search of `sparseinfer prepare` as perplexity against speed: each sparsity
+    tried (points {"sparsity", "ppl", "speedup"}, the first one dense) at its held-out
+    perplexity increase and its measured decode speed-up with the thresholds alone (first
+    projection dense); the pack (thresholds + predictors, `ev["ppl_sparse"]`) at its measured
+    speed-up (`speed["speedup"]`); the budget as a line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    dense = search[0]["ppl"]
+    pts = sorted((p for p in search if "speedup" in p or p["sparsity"] == 0.0), key=lambda p: p["sparsity"])
+    xs = [p.get("speedup", 1.0) for p in pts]
+    ys = [100 * (p["ppl"] / dense - 1) for p in pts]
+    ax.plot(xs, ys, "-o", color="tab:blue", ms=5, lw=0.6, label="thresholds alone, each sparsity tried")
+    for p, x, y in zip(pts, xs, ys):
+        ax.annotate(f"{p['sparsity']:.2f}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    if ev and ev.get("ppl_sparse"):
+        ax.plot([speed["speedup"]], [100 * (ev["ppl_sparse"] / ev["ppl_dense"] - 1)], "*", color="tab:orange", ms=14,
+                label=f"the pack (thresholds + predictors): {speed['sparse_tok_s']:.1f} vs {speed['dense_tok_s']:.1f} tok/s")
+    ax.axhline(100 * budget, color="grey", lw=0.8, ls=":", label=f"budget +{100 * budget:.0f}%")
+    ax.axvline(1.0, color="black", lw=0.6)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(min(-0.5, 1.5 * min(ys)), 2 * max(max(ys), 100 * budget) + 1)
+    ax.set(xlabel="decode speed-up over dense, measured here", ylabel="held-out perplexity increase (%)",
+           title=title or "Perplexity vs decode speed")
     ax.legend(fontsize=7.5)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

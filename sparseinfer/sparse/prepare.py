@@ -111,6 +111,15 @@ def _prepare(model, source, tokenizer, model_path: Path, opts: PrepareOptions, t
                                   f"{pack.model['name']}: activation frequency ({pack.activation_source}, "
                                   f"{cs.description['tokens']} calibration tokens)")
         pack.info["plot"] = str(png)
+        speed, search = pack.info.get("speed"), pack.info.get("search")
+        if speed and search and any("speedup" in p for p in search):
+            from .plots import plot_ppl_vs_speed
+
+            png2 = out.with_name(out.name + ".speed.png")
+            plot_ppl_vs_speed(search, pack.info.get("max_ppl_increase", 0.03), pack.info.get("eval"), speed, png2,
+                              f"{pack.model['name']}: held-out perplexity vs decode speed ({speed['cpu']}, "
+                              f"{speed['threads']} threads)")
+            pack.info["plot_speed"] = str(png2)
     pack.info["seconds"] = round(time.perf_counter() - t_start, 1)
     pack.save(out)
     return pack
@@ -127,7 +136,7 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
     try:
         thresholds = [0.0] * len(ffns)
         if source == "threshold":
-            thresholds, sinfo = _calibrate_thresholds(model, ffns, cs, opts)
+            thresholds, sinfo = _calibrate_thresholds(model, ffns, mlps, cs, opts)
             info.update(sinfo)
         cal.set_thresholds(ffns, thresholds)
         rec = cal.Recorder(ffns, record=True)
@@ -149,7 +158,28 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
     return pack
 
 
-def _calibrate_thresholds(model, ffns, cs: cal.CalibrationSet, opts: PrepareOptions):
+def _threshold_speed(model, ffns, mlps, cs: cal.CalibrationSet):
+    """`on_point` of the sparsity search: decode speed of the thresholds alone (no predictors:
+    each layer's first projection dense, the threshold picking the rows of up and down) against
+    the dense FFNs `mlps`, measured here (`speed.compare`)."""
+    from .speed import compare
+
+    prompt = (cs.eval[0] if len(cs.eval) else cs.seqs[0])[:64]
+
+    def on_point(s: float) -> dict:
+        for f in ffns:
+            f.mode = "predict"
+        try:
+            rec = compare(model, mlps, ffns, prompt)
+        finally:
+            for f in ffns:
+                f.mode = "threshold"
+        return {"dense_tok_s": rec["dense_tok_s"], "sparse_tok_s": rec["sparse_tok_s"], "speedup": rec["speedup"]}
+
+    return on_point
+
+
+def _calibrate_thresholds(model, ffns, mlps, cs: cal.CalibrationSet, opts: PrepareOptions):
     n_seq = max(1, min(len(cs.seqs), 4096 // cs.seqs.shape[1]))
     rec = cal.Recorder(ffns, sample_per_call=max(1, 200_000 * opts.batch // max(n_seq, 1)), seed=opts.seed)
     for f in ffns:
@@ -164,8 +194,9 @@ def _calibrate_thresholds(model, ffns, cs: cal.CalibrationSet, opts: PrepareOpti
         info["target_sparsity"] = s
     else:
         budget = 0.03 if opts.max_ppl_increase is None else opts.max_ppl_increase
+        on_point = _threshold_speed(model, ffns, mlps, cs) if opts.speed_check else None
         res = cal.search_sparsity(model, ffns, samples, cs.eval, budget, progress=opts.progress,
-                                  allocation=opts.allocation)
+                                  allocation=opts.allocation, on_point=on_point)
         s = res.sparsity
         info.update({"max_ppl_increase": budget, "target_sparsity": s, "search": res.history})
     return cal.thresholds_for(samples, s, opts.allocation), info
@@ -259,3 +290,5 @@ def print_report(pack: SparsityPack, console=None) -> None:
         console.print(f"threshold sparsity: {pack.info['target_sparsity']:.3f}")
     if "plot" in pack.info:
         console.print(f"activation plot: {pack.info['plot']}")
+    if "plot_speed" in pack.info:
+        console.print(f"perplexity vs decode speed plot: {pack.info['plot_speed']}")

@@ -49,26 +49,33 @@ def _decode_seconds(model, prompt: torch.Tensor, n: int) -> float:
         return (time.perf_counter() - t0) / n
 
 
-def measure(model, pack, prompt: torch.Tensor, tokens: int = 32, rounds: int = 3) -> dict:
-    """Decode speed of the dense `model` and of `model` sparsified with `pack`, alternated
-    `rounds` times (best of each kept: the machine may be shared); the model is left dense."""
-    from .apply import ffn_slots, replace_ffns, restore, sparsify
+def compare(model, dense: list, sparse: list, prompt: torch.Tensor, tokens: int = 32, rounds: int = 3) -> dict:
+    """Decode speed with the FFN modules `dense`, then `sparse`, in the model's FFN slots,
+    alternated `rounds` times (best of each kept: the machine may be shared); `sparse` stays in."""
+    from .apply import restore
 
     dense_s, sparse_s = math.inf, math.inf
-    mlps = replace_ffns(model, lambda i, m: m)  # the dense MLPs, to put back
-    try:
-        sparsify(model, pack)  # once; the rounds swap the two sets of FFNs
-        sparse = [getattr(p, n) for p, n in ffn_slots(model)]
-        for _ in range(rounds):
-            restore(model, mlps)
-            dense_s = min(dense_s, _decode_seconds(model, prompt, tokens))
-            restore(model, sparse)
-            sparse_s = min(sparse_s, _decode_seconds(model, prompt, tokens))
-    finally:
-        restore(model, mlps)
+    for _ in range(rounds):
+        restore(model, dense)
+        dense_s = min(dense_s, _decode_seconds(model, prompt, tokens))
+        restore(model, sparse)
+        sparse_s = min(sparse_s, _decode_seconds(model, prompt, tokens))
     return {**machine(), "threads": cpu.get_num_threads(), "tokens": tokens, "rounds": rounds,
             "dense_tok_s": round(1.0 / dense_s, 2), "sparse_tok_s": round(1.0 / sparse_s, 2),
             "speedup": round(dense_s / sparse_s, 3)}
+
+
+def measure(model, pack, prompt: torch.Tensor, tokens: int = 32, rounds: int = 3) -> dict:
+    """Decode speed of the dense `model` and of `model` sparsified with `pack` (`compare`); the
+    model is left dense."""
+    from .apply import ffn_slots, replace_ffns, restore, sparsify
+
+    mlps = replace_ffns(model, lambda i, m: m)  # the dense MLPs, to put back
+    try:
+        sparsify(model, pack)  # once; the rounds swap the two sets of FFNs
+        return compare(model, mlps, [getattr(p, n) for p, n in ffn_slots(model)], prompt, tokens, rounds)
+    finally:
+        restore(model, mlps)
 
 
 def measured_speedup(pack) -> float | None:
