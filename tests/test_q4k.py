@@ -15,30 +15,16 @@ from sparseinfer.kernels import cpu
 from sparseinfer.kernels import reference as ref
 from sparseinfer.quant import QWeight, from_float
 
+from test_kernels import level, rand  # noqa: F401 (level: every SIMD level in every activation mode)
+
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels not built")
 
-LEVELS = cpu._cpu.supported_levels() if cpu.available() else []
 SHAPES = [(1, 256), (5, 512), (37, 768), (70, 1536), (9, 4096)]
 
 
 def weight(rows, cols, seed=0):
     g = torch.Generator().manual_seed(seed)
     return from_float(torch.randn(rows, cols, generator=g) + 0.3 * torch.randn(rows, 1, generator=g), "q4k")
-
-
-def rand(*shape, seed=1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture(params=[(lv, mode) for lv in LEVELS for mode in cpu.ACTIVATION_MODES], ids=lambda p: f"{p[0]}-{p[1]}")
-def level(request):
-    lv, mode = request.param
-    old, old_mode = cpu.simd_level(), cpu.activation_mode()
-    cpu._cpu.set_simd_level(lv)
-    cpu.set_activation_mode(mode)
-    yield lv
-    cpu._cpu.set_simd_level(old)
-    cpu.set_activation_mode(old_mode)
 
 
 def test_bytes_decode_as_gguf_does():

@@ -18,6 +18,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def plot_activation_frequency(freqs: list[torch.Tensor], path: str | Path, title: str = "") -> Path:
     """Left: each layer's sorted neuron frequencies (log-log, rank as a fraction of neurons);
     right: share of activation mass held by the hottest fraction of neurons (the CDF)."""
@@ -42,11 +50,7 @@ def plot_activation_frequency(freqs: list[torch.Tensor], path: str | Path, title
     fig.colorbar(sm, ax=[ax1, ax2], label="layer")
     if title:
         fig.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_ppl_vs_sparsity(curves: dict[str, list[dict]], path: str | Path) -> Path:
@@ -67,11 +71,7 @@ def plot_ppl_vs_sparsity(curves: dict[str, list[dict]], path: str | Path) -> Pat
     ax.set(xlabel="FFN sparsity (mean fraction of neurons zeroed per token)",
            ylabel="WikiText-2 perplexity increase over dense (%)", title="Perplexity vs activation sparsity")
     ax.legend(fontsize=7.5)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_ppl_vs_speed(search: list[dict], budget: float, ev: dict | None, speed: dict, path: str | Path,
@@ -100,8 +100,4 @@ def plot_ppl_vs_speed(search: list[dict], budget: float, ev: dict | None, speed:
     ax.set(xlabel="decode speed-up over dense, measured here", ylabel="held-out perplexity increase (%)",
            title=title or "Perplexity vs decode speed")
     ax.legend(fontsize=7.5)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
