@@ -34,38 +34,41 @@ def machine() -> dict:
     return {"cpu": cpu_name(), "simd": cpu.simd_level()}
 
 
-def _decode_seconds(model, prompt: torch.Tensor, n: int) -> float:
-    """Seconds per token of n one-token steps after prefilling `prompt` and one untimed step
-    (which builds the decode plans); teacher-forced tokens: decode speed does not depend on
-    which tokens are fed."""
-    cache = model.new_cache(len(prompt) + n + 2)
-    with torch.inference_mode():
-        model(prompt[None], cache, last_only=True)
-        feed = prompt.tolist()
-        model(torch.tensor([[feed[-1]]]), cache)
-        t0 = time.perf_counter()
-        for i in range(n):
-            model(torch.tensor([[feed[i % len(feed)]]]), cache)
-        return (time.perf_counter() - t0) / n
-
-
-def compare(model, dense: list, sparse: list, prompt: torch.Tensor, tokens: int = 32, rounds: int = 3) -> dict:
-    """Decode speed with the FFN modules `dense`, then `sparse`, in the model's FFN slots,
-    alternated `rounds` times (best of each kept: the machine may be shared); `sparse` stays in."""
+def compare(model, dense: list, sparse: list, prompt: torch.Tensor, tokens: int = 16, rounds: int = 8) -> dict:
+    """Decode speed with the FFN modules `dense` and with `sparse` in the model's FFN slots, in
+    `rounds` pairs of bursts of `tokens` one-token steps (after one prefill of `prompt`, each
+    burst from the same cache length, with teacher-forced tokens: decode speed does not depend
+    on which tokens are fed).  The speed-up is the median of the pairs' ratios: the two bursts
+    of a pair run within a second or two, so a machine whose speed drifts between minutes moves
+    both alike.  `sparse` stays in."""
     from .apply import restore
 
-    dense_s, sparse_s = math.inf, math.inf
-    for _ in range(rounds):
+    feed = prompt.tolist()
+    cache = model.new_cache(len(feed) + tokens + 2)
+    with torch.inference_mode():
         restore(model, dense)
-        dense_s = min(dense_s, _decode_seconds(model, prompt, tokens))
-        restore(model, sparse)
-        sparse_s = min(sparse_s, _decode_seconds(model, prompt, tokens))
+        model(prompt[None], cache, last_only=True)
+        start = cache.length
+
+        def burst(ffns) -> float:
+            restore(model, ffns)
+            cache.truncate(start)
+            model(torch.tensor([[feed[-1]]]), cache)  # untimed: builds the decode plans
+            t0 = time.perf_counter()
+            for i in range(tokens):
+                model(torch.tensor([[feed[i % len(feed)]]]), cache)
+            return (time.perf_counter() - t0) / tokens
+
+        pairs = [(burst(dense), burst(sparse)) for _ in range(rounds)]
+    restore(model, sparse)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     return {**machine(), "threads": cpu.get_num_threads(), "tokens": tokens, "rounds": rounds,
-            "dense_tok_s": round(1.0 / dense_s, 2), "sparse_tok_s": round(1.0 / sparse_s, 2),
-            "speedup": round(dense_s / sparse_s, 3)}
+            "dense_tok_s": round(1.0 / med([d for d, _ in pairs]), 2),
+            "sparse_tok_s": round(1.0 / med([s for _, s in pairs]), 2),
+            "speedup": round(med([d / s for d, s in pairs]), 3)}
 
 
-def measure(model, pack, prompt: torch.Tensor, tokens: int = 32, rounds: int = 3) -> dict:
+def measure(model, pack, prompt: torch.Tensor, tokens: int = 16, rounds: int = 8) -> dict:
     """Decode speed of the dense `model` and of `model` sparsified with `pack` (`compare`); the
     model is left dense."""
     from .apply import ffn_slots, replace_ffns, restore, sparsify
