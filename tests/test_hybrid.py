@@ -104,12 +104,14 @@ def tokens():
 
 
 # ---------------------------------------------------------------------------- device operators
-@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8", "q4", "q6"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8", "q4", "q6", "q4k"])
 @pytest.mark.parametrize("cols", [64, 200])
 @pytest.mark.parametrize("mode", ["int8", "precise"])
 def test_device_ops_match_cpu_kernels(fmt, cols, mode):
     """The device path rounds activations as the CPU kernels do, in either mode."""
     cpu.set_activation_mode(mode)  # conftest restores the mode afterwards
+    if fmt == "q4k":  # rows of whole super-blocks of 256 values
+        cols = {64: 256, 200: 768}[cols]
     g = torch.Generator().manual_seed(0)
     w = from_float(torch.randn(70, cols, generator=g), fmt)
     torch.testing.assert_close(dev.dequant(w), w.dequantize())

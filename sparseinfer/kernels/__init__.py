@@ -11,10 +11,11 @@ from ..quant import QWeight
 # dequantized slice by slice instead of our integer kernels, per activation mode and format:
 # the integer kernels win for few tokens, the GEMM for many once activations are rounded with
 # two terms ("precise"); on a tile level (AMX, "int8") the integer kernels win at every size.
+# q4k's boundaries are q4's (measured alike on an AVX2 CPU; no tile level has q4k kernels).
 _F32_GEMM_MIN_ROWS = {
-    "int8": {"q4": 1 << 62, "q8": 256, "q6": 512, "f16": 64, "bf16": 64, "f32": 64},
-    "precise": {"q4": 128, "q8": 64, "q6": 128, "f16": 64, "bf16": 64, "f32": 64},
-    "tiles": {"q4": 1 << 62, "q8": 1 << 62, "q6": 1 << 62, "f16": 64, "bf16": 64, "f32": 64},
+    "int8": {"q4": 1 << 62, "q4k": 1 << 62, "q8": 256, "q6": 512, "f16": 64, "bf16": 64, "f32": 64},
+    "precise": {"q4": 128, "q4k": 128, "q8": 64, "q6": 128, "f16": 64, "bf16": 64, "f32": 64},
+    "tiles": {"q4": 1 << 62, "q4k": 1 << 62, "q8": 1 << 62, "q6": 1 << 62, "f16": 64, "bf16": 64, "f32": 64},
 }
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import BLOCK, QUANT_FORMATS, QWeight, dequantize
+from .reference import activation_group
 
 CHUNK_ELEMS = 1 << 20          # weights dequantized at a time (4 MiB of float32)
 DEQUANT_BYTES_PER_ELEM = 12    # float32 result + unpacked bytes + float temporaries, rounded up
@@ -52,7 +53,7 @@ def dequant(w: QWeight) -> torch.Tensor:
     if w.fmt in ("f16", "bf16"):
         return w.qs.float()
     rows = w.rows
-    if w.fmt == "q6":  # bounded by the caller's row chunks (unpacking takes int64 temporaries)
+    if w.fmt in ("q6", "q4k"):  # bounded by the caller's row chunks (unpacking takes int64 temporaries)
         return dequantize(w)
     if w.fmt == "q8":
         q = w.qs.float()
@@ -74,22 +75,23 @@ def chunk_rows(w: QWeight) -> int:
 
 
 def _round8(xb: torch.Tensor) -> torch.Tensor:
-    """One int8 term per block of 32 (scale amax/127, ties to even), as a float."""
+    """One int8 term per block (the last dim; scale amax/127, ties to even), as a float."""
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return torch.round(xb * inv) * (amax / 127.0)
 
 
-def fake_quant_x(x2: torch.Tensor) -> torch.Tensor:
+def fake_quant_x(x2: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     """x rounded the way the CPU kernels round activations for integer formats in the current
     activation mode (`kernels.cpu.set_activation_mode`, `kernels.reference`); the kernels'
     mins term uses the block sums of this rounded x, so a plain product with the full
     dequantized weight is the same function.  The accelerator then computes what the CPU
-    does, and predictors decide the same way on both."""
+    does, and predictors decide the same way on both.  `group`: values per int8 scale (32;
+    256 for q4k, `reference.activation_group`)."""
     from . import cpu
 
     m, k = x2.shape
-    xb = F.pad(x2, (0, (-k) % BLOCK)).view(m, -1, BLOCK)
+    xb = F.pad(x2, (0, (-k) % group)).view(m, -1, group)
     xq = _round8(xb)
     if cpu.activation_mode() == "precise":
         xq = xq + _round8(xb - xq)
@@ -103,7 +105,7 @@ def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
     if w.fmt in ("f16", "bf16") and x2.device.type == "cuda":
         return (x2.to(w.qs.dtype) @ w.qs.T).float()  # tensor cores; inputs rounded to the weight type
     y = torch.empty(x2.shape[0], w.rows, dtype=torch.float32, device=x2.device)
-    xq = fake_quant_x(x2) if w.fmt in QUANT_FORMATS else x2
+    xq = fake_quant_x(x2, activation_group(w.fmt)) if w.fmt in QUANT_FORMATS else x2
     step = chunk_rows(w)
     for a in range(0, w.rows, step):
         b = min(w.rows, a + step)
