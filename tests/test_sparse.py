@@ -515,22 +515,31 @@ def test_not_a_pack_is_refused(tmp_path):
         resolve_pack(tmp_path, tmp_path / "missing.sparse")
 
 
+def _tiny_pack(tmp_path, n_seqs, opts):
+    """`build_pack` on a tiny gated model over n_seqs random calibration sequences of 32 tokens;
+    checks that the model's logits are the same before and after.  (pack, model)"""
+    from sparseinfer.sparse.prepare import build_pack
+
+    model, src = tiny("llama", tmp_path)
+    g = torch.Generator().manual_seed(0)
+    cs = cal.CalibrationSet(torch.randint(3, 250, (n_seqs, 32), generator=g), torch.randint(3, 250, (2, 32), generator=g),
+                            {"tokens": 32 * n_seqs})
+    x = torch.randint(3, 250, (1, 8), generator=g)
+    with torch.inference_mode():
+        before = model(x, model.new_cache(16))
+        pack = build_pack(model, src, cs, opts)
+        after = model(x, model.new_cache(16))
+    torch.testing.assert_close(after, before)
+    return pack, model
+
+
 @pytest.mark.parametrize("steps", [20, 10, 1])  # few steps: the learning-rate schedule still works
 def test_build_pack_tiny(tmp_path, steps):
     """The whole pipeline on a tiny gated model: thresholds hit the target sparsity, the hot
     set comes first, the reported recall is measured, and the model is left dense."""
-    from sparseinfer.sparse.prepare import PrepareOptions, build_pack
+    from sparseinfer.sparse.prepare import PrepareOptions
 
-    model, src = tiny("llama", tmp_path)
-    g = torch.Generator().manual_seed(0)
-    cs = cal.CalibrationSet(torch.randint(3, 250, (20, 32), generator=g), torch.randint(3, 250, (2, 32), generator=g),
-                            {"tokens": 640})
-    x = torch.randint(3, 250, (1, 8), generator=g)
-    with torch.inference_mode():
-        before = model(x, model.new_cache(16))
-        pack = build_pack(model, src, cs, PrepareOptions(sizes=(16,), steps=steps, target_sparsity=0.6, progress=False))
-        after = model(x, model.new_cache(16))
-    torch.testing.assert_close(after, before)
+    pack, model = _tiny_pack(tmp_path, 20, PrepareOptions(sizes=(16,), steps=steps, target_sparsity=0.6, progress=False))
     assert not sparse_ffns(model)
     for lp in pack.layers:
         assert lp.stats["density_true"] == pytest.approx(0.4, abs=0.08)
@@ -545,18 +554,9 @@ def test_sparsity_search_measures_decode_speed_at_each_point(tmp_path):
     the thresholds alone against dense (measured, both positive), and the model is left dense;
     the perplexity-vs-speed plot draws that history."""
     from sparseinfer.sparse.plots import plot_ppl_vs_speed
-    from sparseinfer.sparse.prepare import PrepareOptions, build_pack
+    from sparseinfer.sparse.prepare import PrepareOptions
 
-    model, src = tiny("llama", tmp_path)
-    g = torch.Generator().manual_seed(0)
-    cs = cal.CalibrationSet(torch.randint(3, 250, (12, 32), generator=g), torch.randint(3, 250, (2, 32), generator=g),
-                            {"tokens": 384})
-    x = torch.randint(3, 250, (1, 8), generator=g)
-    with torch.inference_mode():
-        before = model(x, model.new_cache(16))
-        pack = build_pack(model, src, cs, PrepareOptions(sizes=(16,), steps=5, max_ppl_increase=0.05, progress=False))
-        after = model(x, model.new_cache(16))
-    torch.testing.assert_close(after, before)
+    pack, _ = _tiny_pack(tmp_path, 12, PrepareOptions(sizes=(16,), steps=5, max_ppl_increase=0.05, progress=False))
     search = pack.info["search"]
     assert search[0]["sparsity"] == 0.0 and len(search) >= 2
     for p in search[1:]:

@@ -368,6 +368,15 @@ static inline void si_q4k_scale_min(const uint8_t *s12, uint32_t *sc_lo, uint32_
     *mn_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
 }
 
+/* q4k: the scale and min of sub-block i (0..7) of a super-block's 12 scale bytes (the
+ * portable kernels' reading of si_q4k_scale_min) */
+static inline void si_q4k_sub(const uint8_t *s12, int i, int *sc, int *mn) {
+    uint32_t s[2], m[2];
+    si_q4k_scale_min(s12, &s[0], &s[1], &m[0], &m[1]);
+    *sc = (int)((s[i / 4] >> (8 * (i % 4))) & 63);
+    *mn = (int)((m[i / 4] >> (8 * (i % 4))) & 63);
+}
+
 /* Number of lanes of `de` per token for a given kp (both layouts fit in 8 per block). */
 static inline int64_t si_de_len(int64_t nb) { return 8 * nb + 16; }
 

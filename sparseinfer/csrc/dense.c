@@ -159,11 +159,10 @@ static void deq_row(const qmat_t *w, int64_t r, float *o) {
             uint16_t hd, hm;
             memcpy(&hd, blk, 2);
             memcpy(&hm, blk + 2, 2);
-            uint32_t sc[2], mn[2];
-            si_q4k_scale_min(blk + 4, &sc[0], &sc[1], &mn[0], &mn[1]);
             for (int i = 0; i < 8; i++) {
-                const float d = si_h2f(hd) * (float)((sc[i / 4] >> (8 * (i % 4))) & 63);
-                const float m = si_h2f(hm) * (float)((mn[i / 4] >> (8 * (i % 4))) & 63);
+                int sc, mn;
+                si_q4k_sub(blk + 4, i, &sc, &mn);
+                const float d = si_h2f(hd) * (float)sc, m = si_h2f(hm) * (float)mn;
                 const uint8_t *nib = blk + 16 + 32 * (i / 2);
                 for (int j = 0; j < 32; j++) o[256 * sb + 32 * i + j] = d * (float)((i & 1) ? nib[j] >> 4 : nib[j] & 15) - m;
             }

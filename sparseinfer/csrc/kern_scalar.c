@@ -76,6 +76,31 @@ void si_quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
     }
 }
 
+/* one q4k row (nb blocks of 32) against XL_Q8K activations q, d, s: per super-block the
+ * sub-blocks' integer sums times their 6-bit scales, then d, and the mins against s */
+static float q4k_dot(const uint8_t *row, int64_t nb, const int8_t *q, const float *dx, const float *sx) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b += 8) {
+        const uint8_t *blk = row + b / 8 * SI_Q4K_BYTES;
+        uint16_t hd, hm;
+        memcpy(&hd, blk, 2);
+        memcpy(&hm, blk + 2, 2);
+        int32_t isum = 0;
+        float msum = 0.0f;
+        for (int i = 0; i < 8; i++) {
+            int sc, mn;
+            si_q4k_sub(blk + 4, i, &sc, &mn);
+            const uint8_t *nib = blk + 16 + 32 * (i / 2);
+            int32_t si = 0;
+            for (int j = 0; j < 32; j++) si += ((i & 1) ? nib[j] >> 4 : nib[j] & 15) * q[32 * (b + i) + j];
+            isum += sc * si;
+            msum += (float)mn * sx[b + i];
+        }
+        acc += si_h2f(hd) * dx[b] * (float)isum - si_h2f(hm) * msum;
+    }
+    return acc;
+}
+
 static inline int wq_at(const qmat_t *w, const uint8_t *row, int64_t b, int j) {
     if (w->fmt == FMT_Q8) return (int8_t)row[b * 32 + j];
     uint8_t byte = row[b * 16 + (j & 15)];
@@ -94,25 +119,7 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
             const int8_t *q = xq->q + t * xq->q_stride;
             const float *dx = xq->d + t * xq->d_stride, *sx = xq->s + t * xq->d_stride;
             float acc = 0.0f;
-            for (int64_t b = 0; b < nb && w->fmt == FMT_Q4K; b += 8) { /* a super-block */
-                const uint8_t *blk = row + b / 8 * SI_Q4K_BYTES;
-                uint16_t hd, hm;
-                memcpy(&hd, blk, 2);
-                memcpy(&hm, blk + 2, 2);
-                uint32_t sc[2], mn[2];
-                si_q4k_scale_min(blk + 4, &sc[0], &sc[1], &mn[0], &mn[1]);
-                int32_t isum = 0;
-                float msum = 0.0f;
-                for (int i = 0; i < 8; i++) {
-                    const int sci = (sc[i / 4] >> (8 * (i % 4))) & 63, mni = (mn[i / 4] >> (8 * (i % 4))) & 63;
-                    const uint8_t *nib = blk + 16 + 32 * (i / 2);
-                    int32_t si = 0;
-                    for (int j = 0; j < 32; j++) si += ((i & 1) ? nib[j] >> 4 : nib[j] & 15) * q[32 * (b + i) + j];
-                    isum += sci * si;
-                    msum += (float)mni * sx[b + i];
-                }
-                acc += si_h2f(hd) * dx[b] * (float)isum - si_h2f(hm) * msum;
-            }
+            if (w->fmt == FMT_Q4K) acc = q4k_dot(row, nb, q, dx, sx);
             for (int64_t b = 0; b < nb && w->fmt != FMT_Q4K; b++) {
                 if (w->fmt == FMT_Q6) { /* a scale per 16 values: two integer sums per block */
                     int32_t is0 = 0, is1 = 0;

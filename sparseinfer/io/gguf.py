@@ -617,10 +617,10 @@ def keep_q4k() -> bool:
 
 
 def _repack(tname: str, raw: np.ndarray, rows: int, cols: int):
-    if tname == "Q4_K" and cols % 256 == 0 and keep_q4k():
-        import torch
+    from ..quant import Q4K_BLOCK, QWeight
 
-        from ..quant import QWeight
+    if tname == "Q4_K" and cols % Q4K_BLOCK == 0 and keep_q4k():
+        import torch
 
         # the file's bytes as they are (a copy: the file's pages leave after the conversion)
         return QWeight("q4k", rows, cols, torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(rows, -1)))

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig, config_from_gguf
 from ..errors import ModelFormatError
-from ..quant import QWeight, from_float
+from ..quant import Q4K_BYTES, QWeight, from_float
 from . import gguf as gguf_io
 from . import powerinfer
 
@@ -131,7 +131,7 @@ class WeightSource:
         elif x.qs.is_floating_point():
             parts, what = [x.qs], "values"
         elif x.fmt == "q4k":  # each super-block's f16 d and dmin
-            parts, what = [x.qs.reshape(x.rows, -1, 144)[..., :4].contiguous().view(torch.float16)], "block scales"
+            parts, what = [x.qs.reshape(x.rows, -1, Q4K_BYTES)[..., :4].contiguous().view(torch.float16)], "block scales"
         else:
             parts, what = [t for t in (x.d, x.m) if t is not None], "block scales"
         bad = sum(int((~torch.isfinite(t)).sum()) for t in parts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import platform
+import statistics
 import time
 
 import torch
@@ -61,7 +62,7 @@ def compare(model, dense: list, sparse: list, prompt: torch.Tensor, tokens: int 
 
         pairs = [(burst(dense), burst(sparse)) for _ in range(rounds)]
     restore(model, sparse)
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    med = statistics.median_high
     return {**machine(), "threads": cpu.get_num_threads(), "tokens": tokens, "rounds": rounds,
             "dense_tok_s": round(1.0 / med([d for d, _ in pairs]), 2),
             "sparse_tok_s": round(1.0 / med([s for _, s in pairs]), 2),
