@@ -21,6 +21,7 @@ from sparseinfer.io.weights import SafetensorsSource
 from sparseinfer.models.registry import build_model
 from sparseinfer.sparse import calibrate as cal
 from sparseinfer.sparse.apply import apply_sparsity, ffn_slots, restore, sparse_ffns, sparsify
+from sparseinfer.sparse.head import PreviewHead, remove as remove_head
 from sparseinfer.sparse.pack import META_KEY, SparsityPack
 from sparseinfer.sparse.predictor import QPredictor
 
@@ -64,6 +65,7 @@ class Tiny:
 
     def reset(self) -> None:
         restore(self.model, self.mlps)
+        remove_head(self.model)
         assert not sparse_ffns(self.model)
 
     def apply(self, path):
@@ -101,8 +103,10 @@ def test_the_real_pack_is_accepted(tiny):
     pack = tiny.apply(tiny.good)
     try:
         assert len(sparse_ffns(tiny.model)) == len(tiny.mlps)
+        assert isinstance(tiny.model.head, PreviewHead) and pack.head is not None
         with torch.inference_mode():
-            assert torch.isfinite(tiny.decode()).all()
+            out = tiny.decode()
+        assert torch.isfinite(out).all()  # the tiny vocabulary: every token a candidate, none -inf
     finally:
         tiny.reset()
     assert pack.layers[0].order.dtype == torch.long
@@ -250,7 +254,9 @@ def test_width(tiny, tmp_path):
     """Predictors that read 65 inputs, in a pack that says d_model 65: refused by the model check."""
     meta = tiny.meta()
     meta["model"]["d_model"] = 65
-    t = {k: (torch.cat([v, v[:, :1]], 1) if k.endswith("pred.w1") else v) for k, v in tiny.tensors.items()}
+    del meta["head"]  # (the head preview's width is checked in test_bad_head_preview)
+    t = {k: (torch.cat([v, v[:, :1]], 1) if k.endswith("pred.w1") else v) for k, v in tiny.tensors.items()
+         if not k.startswith("head.")}
     refused(tiny, write(tmp_path / "w.sparse", meta, t), "does not match the model's shape .*d_model 65")
     meta["model"]["d_model"] = 64
     refused(tiny, write(tmp_path / "w.sparse", meta, t), r"predictor w1 has shape \(16, 65\), expected \(hidden, 64\)")
@@ -341,6 +347,43 @@ def test_bad_tensors(tiny, tmp_path, case, match):
     if case == "cut_overflow":
         meta["layers"][0]["tau"] = 3e38
     refused(tiny, write(tmp_path / f"{case}.sparse", meta, tensors), match)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("head_missing_b", "names a head preview but the tensors head.a / head.b are missing"),
+    ("head_b_width", r"head preview A is .* expected float \(vocab, rank\) and \(rank, 64\)"),
+    ("head_rank_mismatch", "head preview A is"),
+    ("head_int", "head preview A is I32"),
+    ("head_nan", "the head preview holds NaN or infinite values"),
+    ("head_vocab", "its head preview has 100 tokens, the model's vocabulary"),
+    ("head_candidates", "head metadata is not an object with a positive integer .candidates."),
+    ("head_meta", "head metadata is not an object"),
+    ("head_tensors_without_meta", "tensors no layer uses .*head.a"),
+])
+def test_bad_head_preview(tiny, tmp_path, case, match):
+    """The output head's preview (`sparse.head`): refused with one line, the model unchanged
+    (FFNs and head)."""
+    t0, meta = tiny.tensors, tiny.meta()
+    assert "head" in meta and "head.a" in t0, "the tiny pack has a head preview"
+    a, b = t0["head.a"], t0["head.b"]
+    if case == "head_candidates":
+        meta["head"]["candidates"] = 0
+    elif case == "head_meta":
+        meta["head"] = [1]
+    elif case == "head_vocab":
+        meta["head"]["candidates"] = 50
+    elif case == "head_tensors_without_meta":
+        del meta["head"]
+    tensors = {
+        "head_missing_b": lambda: _with(tiny, head__b=None),
+        "head_b_width": lambda: _with(tiny, head__b=torch.zeros(b.shape[0], b.shape[1] + 1)),
+        "head_rank_mismatch": lambda: _with(tiny, head__b=torch.zeros(b.shape[0] + 1, b.shape[1])),
+        "head_int": lambda: _with(tiny, head__a=torch.zeros(a.shape, dtype=torch.int32)),
+        "head_nan": lambda: _with(tiny, head__b=b.clone().fill_(math.nan)),
+        "head_vocab": lambda: _with(tiny, head__a=a[:100].clone()),
+    }.get(case, lambda: dict(t0))()
+    refused(tiny, write(tmp_path / f"{case}.sparse", meta, tensors), match)
+    assert not isinstance(tiny.model.head, PreviewHead)
 
 
 def test_q_predictor_refuses_shapes_that_do_not_fit():

@@ -633,3 +633,32 @@ def test_a_pack_measured_slower_here_is_not_used_unless_named(tmp_path, recorded
         assert apply_sparsity(model, src.path, src, str(path)) is not None and sparse_ffns(model)
     else:
         assert notes == []
+
+
+@pytest.mark.parametrize("pack_speedup,head_speedup,ffns,head", [
+    (1.3, 1.2, True, True),     # the whole pack is fastest
+    (1.1, 1.2, False, True),    # the head preview alone is faster than the whole pack
+    (0.9, 1.2, False, True),    # FFN sparsity slower than dense, the head preview pays
+    (0.9, 0.95, False, False),  # nothing pays: dense
+    (0.9, None, False, False),  # no head measurement: as before, the pack's verdict
+])
+def test_a_pack_is_used_in_the_parts_measured_faster_here(tmp_path, pack_speedup, head_speedup, ffns, head):
+    from sparseinfer.sparse import head as sh
+    from sparseinfer.sparse import speed
+    from sparseinfer.sparse.apply import apply_sparsity, default_pack_path
+
+    model, src = tiny("llama", tmp_path)
+    exact = model.head
+    pack = random_pack(model, src, thresholds=0.1, tau=0.2)
+    hid = torch.randn(200, src.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    pack.head = sh.preview(sh.fit(exact.weight, hid), 32, 64)
+    rec = {**speed.machine(), "dense_tok_s": 100.0, "threads": 2}
+    pack.info["speed"] = {**rec, "sparse_tok_s": 100.0 * pack_speedup, "speedup": pack_speedup}
+    if head_speedup is not None:
+        pack.head.stats["speed"] = {**rec, "sparse_tok_s": 100.0 * head_speedup, "speedup": head_speedup}
+    path = pack.save(default_pack_path(src.path))
+    notes = []
+    got = apply_sparsity(model, src.path, src, "auto", notes=notes)
+    assert (got is not None) == (ffns or head)
+    assert bool(sparse_ffns(model)) == ffns and isinstance(model.head, sh.PreviewHead) == head
+    assert (notes == []) == ffns and all("\n" not in n and str(path) in n for n in notes)

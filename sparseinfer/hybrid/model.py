@@ -275,6 +275,9 @@ def apply_placement(model: CausalLM, placement: Placement, accel: torch.device |
                                             worker))
         homes.append(home)
     if placement.head_on_device:
+        from ..sparse.head import remove
+
+        remove(model)  # the preview pays where the head is read from CPU memory; on the GPU the exact head
         model.norm = move_module(model.norm, accel)
         model.head = DeviceLinear.moved(model.head, accel)
     model.drop_steps()

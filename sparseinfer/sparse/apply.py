@@ -159,19 +159,32 @@ def apply_sparsity(model: nn.Module, model_path, source, sparse="auto", density:
                    notes: list[str] | None = None):
     """The engine's hook: find/check the pack named by `sparse` and sparsify the model with it
     (or, with only a forced `density`, without one).  Returns the pack or None.  A pack found
-    next to the model (`sparse="auto"`) that `prepare` measured slower than dense on this CPU
-    is not used; the reason is appended to `notes`."""
+    next to the model (`sparse="auto"`) is used as `prepare` measured it on this CPU
+    (`speed.parts_here`): whole, its head preview alone (the FFNs dense), or not at all; the
+    reason for leaving a part out is appended to `notes`."""
     pack = resolve_pack(model_path, sparse, source)
+    use_ffns = use_head = pack is not None
     if pack is not None and sparse == "auto" and density is None:
-        from .speed import slower_here
+        from .speed import parts_here
 
-        why = slower_here(pack)
-        if why:
-            if notes is not None:
-                notes.append(why)
+        use_ffns, use_head, why = parts_here(pack)
+        if why and notes is not None:
+            notes.append(why)
+        if not (use_ffns or use_head):
             return None
-    if pack is not None or density is not None:
-        sparsify(model, pack, density=density)
+    head = None
+    if use_head and pack.head is not None and density is None:
+        from .head import PreviewHead
+
+        try:  # checked before anything changes
+            head = PreviewHead(model.head, pack.head)
+        except ValueError as e:
+            raise SparsityPackError(f"sparsity pack {pack.path}: {e}; make one for this model with "
+                                    "`sparseinfer prepare MODEL` or run with --dense") from None
+    if use_ffns or density is not None:
+        sparsify(model, pack if use_ffns else None, density=density)
+    if head is not None:
+        model.head = head
     return pack
 
 
@@ -187,7 +200,8 @@ def perplexity_mode(llm) -> str:
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes a dense decode step reads outside the FFNs, dense FFN bytes).  The embedding
-    table counts only when the head shares it (a lookup reads one row)."""
+    table counts only when the head shares it (a lookup reads one row); a previewed head
+    (`sparse.head`) counts its preview and its candidates' rows."""
     ffn_ids, ffn_bytes = set(), 0
     for p, n in ffn_slots(model):
         down_t = getattr(getattr(p, n), "_down_t", None)
@@ -204,6 +218,11 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
             continue
         seen.add(k)
         other += w.nbytes
+    from .head import PreviewHead
+
+    if isinstance(getattr(model, "head", None), PreviewHead):  # the preview's candidates, not every row
+        w = model.head.weight
+        other -= w.nbytes - model.head.k * (w.nbytes // w.rows)
     return other, ffn_bytes
 
 

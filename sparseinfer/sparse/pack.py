@@ -7,6 +7,9 @@ and b2 in hotness order, input standardization folded into W1/b1).  The JSON met
 the header key ``sparseinfer.pack`` holds the format version, the model fingerprint
 (`WeightSource.fingerprint()`), the activation source, per-layer thresholds, predictor cut
 (tau), measured recall/precision/density per layer, and the calibration data description.
+Optionally the output head's preview (`sparse.head`): ``head.a`` (vocab x rank, f16/f32) and
+``head.b`` (rank x d_model, f32), with its candidate count and measurements under ``head`` in
+the metadata.
 """
 from __future__ import annotations
 
@@ -15,11 +18,15 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import SparsityPackError
 from .predictor import READS
+
+if TYPE_CHECKING:
+    from .head import HeadPreview
 
 FORMAT_VERSION = 1
 META_KEY = "sparseinfer.pack"
@@ -87,6 +94,7 @@ class SparsityPack:
     calibration: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)   # targets, measured perplexities, timings
     path: Path | None = None
+    head: HeadPreview | None = None          # the output head's preview (`sparse.head`), if any
 
     # ------------------------------------------------------------------ (de)serialization
     def metadata(self) -> dict:
@@ -96,6 +104,7 @@ class SparsityPack:
             "layers": [{"threshold": lp.threshold, "tau": lp.tau, "policy": lp.policy, "stats": lp.stats,
                         **({} if lp.predictor_reads == "ffn_input" else {"reads": lp.predictor_reads})}
                        for lp in self.layers],
+            **({"head": {"candidates": self.head.candidates, "stats": self.head.stats}} if self.head else {}),
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -107,6 +116,10 @@ class SparsityPack:
                 for k in PRED_KEYS:
                     t = lp.predictor_state[k]
                     out[f"layer.{i}.pred.{k}"] = (t.half() if k.startswith("w") else t.float()).contiguous()
+        if self.head is not None:
+            a = self.head.a.float()
+            out["head.a"] = (a.half() if a.abs().max() < HALF_SAFE else a).contiguous()
+            out["head.b"] = self.head.b.float().contiguous()
         return out
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -160,8 +173,14 @@ class SparsityPack:
             layers.append(LayerPack(float(lm["threshold"]), tensors[f"layer.{i}.freq"].float(),
                                     tensors[f"layer.{i}.order"].long(), pred, float(lm["tau"]), lm.get("stats", {}),
                                     lm.get("policy", "predictor"), predictor_reads=lm.get("reads", "ffn_input")))
+        head = None
+        if "head" in meta:
+            from .head import HeadPreview
+
+            head = HeadPreview(tensors["head.a"].float(), tensors["head.b"].float(), meta["head"]["candidates"],
+                               meta["head"].get("stats", {}))
         return cls(meta["fingerprint"], meta["model"], meta["activation_source"], layers,
-                   meta.get("calibration", {}), meta.get("info", {}), path)
+                   meta.get("calibration", {}), meta.get("info", {}), path, head)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -176,6 +195,18 @@ class SparsityPack:
             _check_layer(lp, where, f"layer {i}")
             if lp.predictor_state is not None:
                 _check_predictor(lp, where, f"layer {i}", self.model.get("d_model"))
+        if self.head is not None:
+            h = self.head
+            if h.a.dim() != 2 or h.b.dim() != 2 or h.a.shape[1] != h.b.shape[0] or h.a.shape[1] < 1:
+                raise _bad(where, f"the head preview's A {list(h.a.shape)} and B {list(h.b.shape)} do not fit together")
+            if self.model.get("d_model") is not None and h.b.shape[1] != self.model["d_model"]:
+                raise _bad(where, f"the head preview reads {h.b.shape[1]} inputs, the model has d_model "
+                                  f"{_show(self.model['d_model'])}")
+            if type(h.candidates) is not int or not 1 <= h.candidates <= h.a.shape[0]:
+                raise _bad(where, f"the head preview keeps {_show(h.candidates)} candidates; expected 1 to "
+                                  f"{h.a.shape[0]}")
+            if not (torch.isfinite(h.a).all() and torch.isfinite(h.b).all()):
+                raise _bad(where, "the head preview holds NaN or infinite values")
 
     def check(self, source) -> None:
         """Refuse (SparsityPackError) a pack made for another model than `source`."""
@@ -186,6 +217,10 @@ class SparsityPack:
                 f"fingerprint {_one_line(self.fingerprint, 40)}), not {source.path} (fingerprint {fp}); make one for this "
                 f"model with `sparseinfer prepare {source.path}` or run with --dense")
         c = source.config
+        if self.head is not None and self.head.a.shape[0] != c.vocab_size:
+            raise SparsityPackError(f"sparsity pack {self.path or ''}: its head preview has {self.head.a.shape[0]} "
+                                    f"tokens, the model's vocabulary {c.vocab_size}; make one for this model "
+                                    f"with `sparseinfer prepare {source.path}` or run with --dense")
         if len(self.layers) != c.num_hidden_layers or self.model.get("d_model") != c.hidden_size:
             raise SparsityPackError(f"sparsity pack {self.path or ''} does not match the model's shape "
                                     f"({len(self.layers)} layers, d_model {_show(self.model.get('d_model'))}; the model: "
@@ -227,6 +262,7 @@ class SparsityPack:
 
 # ---------------------------------------------------------------------------- checks of a file's parts
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+HALF_SAFE = 60000.0  # the head preview's A is stored in f16 when every value is below this
 INT_DTYPES = frozenset({"I8", "U8", "I16", "I32", "I64"})
 # stats entries that are fractions (measured on held-out tokens, or profiled)
 FRACTION_STATS = ("recall", "precision", "density_predicted", "density_true", "density", "hot80", "dead",
@@ -291,6 +327,12 @@ def _check_meta(meta, path) -> None:
             raise _bad(path, f"layer {i}'s predictor reads {_show(lm.get('reads'))}; expected one of {', '.join(READS)}")
         if not isinstance(lm.get("stats", {}), dict):
             raise _bad(path, f"layer {i}'s stats are not an object")
+    if "head" in meta:
+        hm = meta["head"]
+        if not isinstance(hm, dict) or type(hm.get("candidates")) is not int or hm["candidates"] < 1:
+            raise _bad(path, "its head metadata is not an object with a positive integer 'candidates'")
+        if not isinstance(hm.get("stats", {}), dict):
+            raise _bad(path, "its head stats are not an object")
 
 
 def _check_header(meta: dict, header: dict, path) -> None:
@@ -328,6 +370,16 @@ def _check_header(meta: dict, header: dict, path) -> None:
         if width is not None and d != width:
             raise _bad(path, f"layer {i}'s predictor reads {d} inputs, an earlier layer's {width}")
         width = d
+    if "head" in meta:
+        if "head.a" not in header or "head.b" not in header:
+            raise _bad(path, "its metadata names a head preview but the tensors head.a / head.b are missing")
+        (adt, ashape), (bdt, bshape) = header["head.a"], header["head.b"]
+        d = meta["model"].get("d_model")
+        if (adt not in FLOAT_DTYPES or bdt not in FLOAT_DTYPES or len(ashape) != 2 or len(bshape) != 2
+                or min(ashape) < 1 or ashape[1] != bshape[0] or (d is not None and bshape[1] != d)):
+            raise _bad(path, f"head preview A is {adt} {list(ashape)} and B {bdt} {list(bshape)}; expected float "
+                             f"(vocab, rank) and (rank, {_show(d)})")
+        expected.update(("head.a", "head.b"))
     extra = sorted(set(header) - expected)
     if extra:
         raise _bad(path, f"tensors no layer uses ({_one_line(', '.join(extra[:3]))}{', ...' if len(extra) > 3 else ''})")

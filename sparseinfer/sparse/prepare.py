@@ -26,6 +26,7 @@ from ..quant import qweight_nbytes
 from . import calibrate as cal
 from .apply import default_pack_path, replace_ffns, restore, sparse_ffns, sparsify
 from .ffn import SparseFFN
+from .head import HiddenRecorder, choose as choose_head
 from .pack import SparsityPack, LayerPack
 from .predictor import LADDER, LayerData, TrainConfig, pack_bits, split_tokens, train_predictor, unpack_bits
 from .profile import hotness_order, summarize
@@ -50,6 +51,8 @@ class PrepareOptions:
     plot: str | bool = True                 # True: PNG next to the pack; a path; False: none
     evaluate: bool = True
     speed_check: bool = True                # decode with and without the pack here (`speed.measure`)
+    head: bool = True                       # a preview of the output head (`sparse.head`) when it agrees
+    head_agreement: float = 0.999           # ... with the exact head's greedy token on this share of held-out tokens
     progress: bool = True
     seed: int = 0
     torch_threads: int = 1                  # torch ops next to the C kernels (see `make_pack`)
@@ -97,12 +100,18 @@ def _prepare(model, source, tokenizer, model_path: Path, opts: PrepareOptions, t
                              opts.seed)
     pack = build_pack(model, source, cs, opts, model_path.name)
     if opts.speed_check:
-        from .speed import measure
+        from .speed import measure, measure_head
 
         prompt = (cs.eval[0] if len(cs.eval) else cs.seqs[0])[:64]
         if opts.progress:
             print("measuring decode speed with and without the pack ...", flush=True)
         pack.info["speed"] = measure(model, pack, prompt)
+        if pack.head is not None:
+            pack.head.stats["speed"] = measure_head(model, pack.head, prompt)
+            if pack.head.stats["speed"]["speedup"] < 1.0:  # kept out of the pack: slower than the exact head here
+                pack.info["head_dropped"] = pack.head.stats
+                pack.head = None
+                pack.info["speed"] = measure(model, pack, prompt)
     if opts.plot:
         from .plots import plot_activation_frequency
 
@@ -133,6 +142,7 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
     source = "relu" if all(f.act_name in RELU_ACTS for f in ffns) else "threshold"
     info = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "recall_target": opts.recall,
             "predictor_sizes": list(opts.sizes), "train_steps": opts.steps, **opts.extra}
+    hrec = hidden = None
     try:
         thresholds = [0.0] * len(ffns)
         if source == "threshold":
@@ -140,12 +150,16 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
             info.update(sinfo)
         cal.set_thresholds(ffns, thresholds)
         rec = cal.Recorder(ffns, record=True)
+        hrec = HiddenRecorder(model) if opts.head else None
         cal.forward_batches(model, cs.seqs, opts.batch, "profile + record", opts.progress)
         rec.detach(ffns)
+        hidden = hrec.detach() if hrec is not None else None
         layers = _train_layers(ffns, rec, rec.frequencies(), thresholds, cs, opts)
         del rec
     finally:
         restore(model, mlps)
+        if hrec is not None:
+            hrec.detach()
     c = src.config
     pack = SparsityPack(
         fingerprint=src.fingerprint(),
@@ -153,6 +167,9 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
                "hidden_act": ffns[0].act_name, "n_layers": len(ffns), "d_model": c.hidden_size,
                "n_neurons": ffns[0].n_neurons, "weight_bytes": qweight_nbytes(model)},
         activation_source=source, layers=layers, calibration=cs.description, info=info)
+    if hidden is not None and hidden.shape[0]:
+        pack.head, tried = choose_head(model, hidden, opts.head_agreement, progress=opts.progress)
+        pack.info["head_search"] = tried
     if opts.evaluate:
         pack.info["eval"] = evaluate_pack(model, pack, cs.eval, opts.progress)
     return pack
@@ -283,9 +300,26 @@ def print_report(pack: SparsityPack, console=None) -> None:
     if sp:
         console.print(f"decode here ({sp['cpu']}, {sp['simd']}, {sp['threads']} threads): dense {sp['dense_tok_s']:.1f} "
                       f"tok/s, with the pack {sp['sparse_tok_s']:.1f} tok/s ({sp['speedup']:.2f}x)")
-        if sp["speedup"] < 1.0:
-            console.print("the pack decodes slower than the dense model on this CPU: `run`, `chat`, `serve`, `bench` "
-                          f"and `ppl` will not use it here unless named with --sparse {pack.path}", style="bold")
+        from .speed import parts_here
+
+        ffns, head, why = parts_here(pack)
+        if why:
+            console.print(f"`run`, `chat`, `serve`, `bench` and `ppl` on this CPU: {why.split(': ', 1)[1]}", style="bold")
+    hd = pack.head
+    if hd is not None:
+        st, hs = hd.stats, hd.stats.get("speed")
+        console.print(f"output head preview: rank {hd.rank}, {hd.candidates} candidates, "
+                      f"{st.get('preview_bytes', 0) / 2**20:.1f} MiB instead of the head's {st.get('head_bytes', 0) / 2**20:.1f}; "
+                      f"greedy tokens equal to the exact head's on {100 * st.get('agreement', 0):.2f}% of "
+                      f"{st.get('tokens', 0)} held-out tokens (exact head for {100 * st.get('fallback', 0):.2f}%)"
+                      + (f"; dense decode with it {hs['speedup']:.2f}x" if hs else ""))
+    elif pack.info.get("head_dropped"):
+        console.print(f"no output head preview: it decoded slower than the exact head here "
+                      f"({pack.info['head_dropped']['speed']['speedup']:.2f}x)")
+    elif pack.info.get("head_search"):
+        best = max(pack.info["head_search"], key=lambda t: t["agreement"])
+        console.print(f"no output head preview: the best rank tried ({best['rank']}) agreed with the exact head on "
+                      f"{100 * best['agreement']:.2f}% of held-out tokens, below the target")
     if "target_sparsity" in pack.info:
         console.print(f"threshold sparsity: {pack.info['target_sparsity']:.3f}")
     if "plot" in pack.info:

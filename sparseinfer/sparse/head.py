@@ -1,0 +1,254 @@
+"""A sparse output head: a cheap preview of the logits picks candidate tokens, the exact head
+scores only those.
+
+The head W (vocab x d) is the largest single matrix of a small model and is read whole for
+every decoded token.  Its logits W h need not be: only the top few matter for greedy decoding
+and almost all of the probability mass for sampling.  The preview is a low-rank product
+A (B h) with A = W L V_r (vocab x r) and B = V_r^T L^-1 (r x d), where L L^T is the covariance
+of the head's input h on calibration text and V_r the top r right singular vectors of W L: the
+rank-r approximation of the logits with the least expected squared error over inputs like the
+calibration ones (without the weighting by h's covariance the preview misses the true top
+token far more often, since a few directions of h carry most of its energy).  A is held in q8
+and read by the ordinary gemv kernel.
+
+Per token: z = B h; p = A z (the preview); the candidates are the tokens whose preview is at
+least the estimated k-th largest (found on a strided sample of p, so no full sort); the exact
+logits of the candidates come from the head's own rows (`gemv_rows`).  Uncertain tokens, where
+the best exact candidate ranks low in the preview (below its estimated k/4-th value) or the
+estimate found far too many or too few candidates, get the full exact head.  Non-candidates get
+-inf: sampling and greedy decoding see exact logits for the candidates and nothing else.
+
+`fit` computes the basis once; `preview` cuts it at a rank; `agreement` measures, on held-out
+inputs, how often the module's greedy token equals the exact head's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..kernels import cpu
+from ..quant import from_float
+
+SAMPLE_STRIDE = 16      # the k-th largest preview value is estimated on every 16th logit
+MAX_ROWS = 1            # more rows at once (batched decode) read the exact head once for all
+RANK_STEP = 32          # ranks are multiples of the q8 block
+
+
+@dataclass
+class HeadPreview:
+    """A (vocab x rank) and B (rank x d) of the preview, the candidate count k, and how it was
+    measured (stats: rank, held-out agreement, fallback fraction, tokens)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    candidates: int
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return int(self.b.shape[0])
+
+    def nbytes(self) -> int:
+        """Bytes of the preview as decode holds it (A in q8, B in f32)."""
+        return from_float(self.a[:1].float(), "q8").nbytes * self.a.shape[0] + self.b.numel() * 4
+
+
+@dataclass
+class Basis:
+    """Everything `preview` needs for any rank: W L V (vocab x d, columns by falling singular
+    value) and V^T L^-1 (d x d)."""
+
+    wlv: torch.Tensor
+    vtl: torch.Tensor
+
+
+def candidate_count(vocab: int) -> int:
+    """k: 1/64 of the vocabulary, at least 256 and at most 2048 tokens."""
+    return int(min(vocab, max(256, min(2048, vocab // 64))))
+
+
+def _rows(w, r0: int, r1: int) -> torch.Tensor:
+    return cpu.dequantize_rows(w, r0, r1)
+
+
+def fit(head_w, hidden: torch.Tensor, chunk: int = 8192) -> Basis:
+    """The preview basis of the head weight `head_w` (a `QWeight`, vocab x d) for inputs like
+    `hidden` (N x d, the final norm's outputs on calibration text)."""
+    d = head_w.cols
+    if hidden.dim() != 2 or hidden.shape[1] != d or hidden.shape[0] < 2:
+        raise ValueError(f"hidden states must be (N >= 2, {d}), got {tuple(hidden.shape)}")
+    h = hidden.double()
+    cov = h.T @ h / h.shape[0]
+    ev, u = torch.linalg.eigh(cov)
+    ev = ev.clamp_min(float(ev.max()) * 1e-9)
+    lo, lo_inv = u * ev.sqrt(), (u / ev.sqrt()).T        # cov = L L^T
+    gram = torch.zeros(d, d, dtype=torch.float64)
+    for r0 in range(0, head_w.rows, chunk):                # (W L)^T (W L) without W whole in f64
+        wl = (_rows(head_w, r0, min(head_w.rows, r0 + chunk)).double() @ lo)
+        gram += wl.T @ wl
+    _, v = torch.linalg.eigh(gram)
+    v = v.flip(1)                                          # by falling singular value
+    lv = (lo @ v).float()
+    wlv = torch.cat([_rows(head_w, r0, min(head_w.rows, r0 + chunk)) @ lv
+                     for r0 in range(0, head_w.rows, chunk)])
+    return Basis(wlv, (v.T @ lo_inv).float())
+
+
+def preview(basis: Basis, rank: int, candidates: int) -> HeadPreview:
+    rank = min(basis.vtl.shape[0], max(RANK_STEP, rank // RANK_STEP * RANK_STEP))
+    return HeadPreview(basis.wlv[:, :rank].contiguous(), basis.vtl[:rank].contiguous(), candidates)
+
+
+def select(p: torch.Tensor, k: int) -> tuple[torch.Tensor | None, float]:
+    """(ids of the tokens whose preview is at least the estimated k-th largest, ascending; the
+    estimated (k/4)-th largest value), or (None, _) when the estimate is off by over 4x."""
+    s = p[::SAMPLE_STRIDE]
+    ks = max(4, k // SAMPLE_STRIDE)
+    if ks >= s.numel():
+        return torch.arange(p.numel()), float("-inf")
+    top = torch.topk(s, ks).values                           # sorted, largest first
+    ids = torch.nonzero(p >= top[-1]).view(-1)
+    if not k // 4 <= ids.numel() <= 4 * k:
+        return None, 0.0
+    return ids, float(top[ks // 4 - 1])
+
+
+class PreviewHead(nn.Module):
+    """A drop-in for the model's head `exact` (a `Linear`): one row at a time on the CPU goes
+    through the preview (module docstring); anything else (prompts, perplexity, batched rows,
+    an accelerator) through `exact`.  `tokens` and `fallbacks` count the rows of each kind."""
+
+    def __init__(self, exact: nn.Module, hp: HeadPreview):
+        super().__init__()
+        w = exact.weight
+        if hp.a.shape[0] != w.rows or hp.b.shape[1] != w.cols or hp.a.shape[1] != hp.b.shape[0]:
+            raise ValueError(f"head preview of shape A {tuple(hp.a.shape)}, B {tuple(hp.b.shape)} does not fit a "
+                             f"{w.rows} x {w.cols} head")
+        self.exact, self.hp = exact, hp
+        self.a = from_float(hp.a.float(), "q8")
+        self.b = hp.b.float().contiguous()
+        self.k = hp.candidates
+        self.tokens = self.fallbacks = 0
+
+    @property
+    def weight(self):
+        return self.exact.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > MAX_ROWS or x.device.type != "cpu" or self.exact.weight.qs.device.type != "cpu":
+            return self.exact(x)
+        return torch.stack([self.row(r) for r in flat.float()]).view(*lead, -1)
+
+    def row(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of one input row: exact for the candidates, -inf elsewhere (or the exact
+        head's, when uncertain)."""
+        self.tokens += 1
+        h = h.contiguous()
+        p = cpu.gemv(self.a, self.b @ h)
+        ids, sure = select(p, self.k)
+        if ids is not None:
+            ex = cpu.gemv_rows(self.exact.weight, h, ids)
+            if self.exact.bias is not None:
+                ex += self.exact.bias[ids]
+            if float(p[ids[int(ex.argmax())]]) >= sure:
+                out = torch.full((p.numel(),), float("-inf"))
+                out[ids] = ex
+                return out
+        self.fallbacks += 1
+        return self.exact(h[None])[0]
+
+
+def install(model: nn.Module, hp: HeadPreview) -> PreviewHead:
+    """Put a `PreviewHead` in front of `model.head` (replacing an earlier one)."""
+    exact = model.head.exact if isinstance(model.head, PreviewHead) else model.head
+    model.head = PreviewHead(exact, hp)
+    return model.head
+
+
+def remove(model: nn.Module) -> None:
+    if isinstance(model.head, PreviewHead):
+        model.head = model.head.exact
+
+
+def exact_tokens(exact: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The exact head's greedy token for each row of `hidden`, one row at a time as decode
+    computes it (a batched product rounds activations differently and can flip near-ties)."""
+    with torch.inference_mode():
+        return torch.tensor([int(exact(h[None].float())[0].argmax()) for h in hidden])
+
+
+def agreement(head: PreviewHead, hidden: torch.Tensor, want: torch.Tensor | None = None) -> dict:
+    """Over the rows of `hidden` (held-out final-norm outputs): the fraction whose greedy token
+    through `head` equals the exact head's (`want`, default `exact_tokens`), and the fraction
+    that fell back to the exact head."""
+    want = exact_tokens(head.exact, hidden) if want is None else want
+    t0, f0 = head.tokens, head.fallbacks
+    with torch.inference_mode():
+        got = torch.tensor([int(head.row(h.float()).argmax()) for h in hidden])
+    n = hidden.shape[0]
+    fell = head.fallbacks - f0
+    head.tokens, head.fallbacks = t0, f0
+    return {"agreement": int((got == want).sum()) / n, "fallback": fell / n, "tokens": n}
+
+
+RANK_FRACTIONS = (8, 6, 4, 3)   # ranks tried, as fractions of d (rounded up to RANK_STEP)
+
+
+class HiddenRecorder:
+    """Collects the head's inputs (the final norm of the last block's output, every position)
+    while the model runs forward passes, up to `limit` rows."""
+
+    def __init__(self, model: nn.Module, limit: int = 16384):
+        self.rows: list[torch.Tensor] = []
+        self.limit, self.n = limit, 0
+        norm = model.norm
+
+        def hook(_mod, _inp, out):
+            if self.n < self.limit:
+                x = out[0] if isinstance(out, tuple) else out
+                h = norm(x).reshape(-1, x.shape[-1]).float()[: self.limit - self.n].cpu()
+                self.rows.append(h)
+                self.n += h.shape[0]
+
+        self.handle = model.layers[-1].register_forward_hook(hook)
+
+    def detach(self) -> torch.Tensor:
+        self.handle.remove()
+        return torch.cat(self.rows) if self.rows else torch.zeros(0)
+
+
+def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.999, held_out: float = 0.25,
+           progress: bool = True) -> tuple[HeadPreview | None, list[dict]]:
+    """Fit the preview on the first rows of `hidden` and measure it on the last `held_out` share
+    (whole calibration sequences: the rows come sequence by sequence); the smallest rank of
+    `RANK_FRACTIONS` whose greedy agreement with the exact head is at least `target`, or None.
+    Returns it (its stats filled) and every rank tried."""
+    exact = model.head.exact if isinstance(model.head, PreviewHead) else model.head
+    w = exact.weight
+    n = hidden.shape[0]
+    cut = n - max(1, int(n * held_out))
+    if cut < 2:
+        return None, []
+    basis = fit(w, hidden[:cut])
+    k = candidate_count(w.rows)
+    want = exact_tokens(exact, hidden[cut:])
+    tried = []
+    ranks = sorted({-(-w.cols // frac // RANK_STEP) * RANK_STEP for frac in RANK_FRACTIONS})
+    for rank in ranks:
+        if rank >= w.cols:
+            break
+        hp = preview(basis, rank, k)
+        st = {"rank": hp.rank, "candidates": k, "preview_bytes": hp.nbytes(), "head_bytes": w.nbytes,
+              **agreement(PreviewHead(exact, hp), hidden[cut:], want)}
+        tried.append(st)
+        if progress:
+            print(f"head preview rank {hp.rank}: greedy agreement {st['agreement']:.4f}, exact head for "
+                  f"{100 * st['fallback']:.2f}% of {st['tokens']} held-out tokens", flush=True)
+        if st["agreement"] >= target:
+            hp.stats = dict(st)
+            return hp, tried
+    return None, tried

@@ -1,0 +1,124 @@
+"""The output head's preview (sparseinfer/sparse/head.py): candidates scored exactly, the
+fallback to the exact head, the candidate selection, the fitted basis, and a pack's head in
+decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseinfer.kernels import cpu
+from sparseinfer.models.layers import Linear
+from sparseinfer.quant import from_float
+from sparseinfer.sparse import head as sh
+
+
+def _hidden(n: int, d: int, seed: int = 0) -> torch.Tensor:
+    """Inputs with a few strong directions, as a final norm's outputs have."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.ones(d)
+    scale[:3] = torch.tensor([8.0, 4.0, 2.0])
+    return torch.randn(n, d, generator=g) * scale
+
+
+def _head(vocab: int, d: int, fmt: str = "q8", rank: int | None = None, seed: int = 1) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, d, generator=g) * 0.1
+    if rank is not None:  # a head of exactly this rank
+        w = (torch.randn(vocab, rank, generator=g) @ torch.randn(rank, d, generator=g)) * 0.05
+    return Linear(from_float(w, fmt))
+
+
+def test_select_keeps_the_top_and_about_k():
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(50000, generator=g)
+    ids, sure = sh.select(p, 1024)
+    assert ids is not None and 256 <= ids.numel() <= 4096
+    assert torch.equal(ids, ids.sort().values)
+    top = torch.topk(p, 200).indices
+    assert torch.isin(top, ids).all()              # the true top 200 are candidates
+    assert sure >= float(p[ids].min())
+    # a vocabulary smaller than the sample: every token
+    ids, _ = sh.select(p[:100], 256)
+    assert torch.equal(ids, torch.arange(100))
+    # a preview with no spread (all equal): the estimate is off, so no candidates
+    assert sh.select(torch.zeros(50000), 1024)[0] is None
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q6", "q4"])
+def test_candidates_get_the_exact_heads_logits(fmt):
+    vocab, d = 8192, 128
+    exact = _head(vocab, d, fmt)
+    hid = _hidden(600, d)
+    hp = sh.preview(sh.fit(exact.weight, hid[:500]), 64, 512)
+    ph = sh.PreviewHead(exact, hp)
+    for h in hid[500:520]:
+        out = ph(h[None, None])[0, 0]
+        want = exact(h[None])[0]
+        kept = torch.isfinite(out)
+        if ph.fallbacks:
+            break
+        assert 128 <= int(kept.sum()) <= 2048
+        # the candidates' logits are the head's rows (gemv_rows), within the rows kernel's equality to gemv
+        ids = kept.nonzero().view(-1)
+        torch.testing.assert_close(out[kept], cpu.gemv_rows(exact.weight, h, ids), atol=0, rtol=0)
+        torch.testing.assert_close(out[kept], want[kept], atol=1e-4, rtol=1e-4)
+        assert (out[~kept] == float("-inf")).all()
+
+
+def test_full_rank_preview_agrees_with_the_exact_head():
+    """At full rank the preview is W h up to q8 rounding: greedy tokens equal the exact head's."""
+    vocab, d = 4096, 64
+    exact = _head(vocab, d)
+    hid = _hidden(700, d)
+    hp = sh.preview(sh.fit(exact.weight, hid[:500]), d, 256)
+    st = sh.agreement(sh.PreviewHead(exact, hp), hid[500:])
+    assert st["agreement"] == 1.0 and st["tokens"] == 200
+
+
+def test_a_low_rank_head_is_found_at_its_rank():
+    """A head of rank 32: the fitted preview at rank 32 ranks tokens as the exact head does."""
+    vocab, d = 4096, 128
+    exact = _head(vocab, d, rank=32)
+    hid = _hidden(700, d)
+    basis = sh.fit(exact.weight, hid[:500])
+    st = sh.agreement(sh.PreviewHead(exact, sh.preview(basis, 32, 256)), hid[500:])
+    assert st["agreement"] == 1.0 and st["fallback"] < 0.05
+
+
+def test_uncertain_rows_fall_back_to_the_exact_head():
+    vocab, d = 4096, 64
+    exact = _head(vocab, d)
+    useless = sh.HeadPreview(torch.zeros(vocab, 32), torch.zeros(32, d), 256)  # every preview logit 0
+    ph = sh.PreviewHead(exact, useless)
+    h = _hidden(1, d)[0]
+    torch.testing.assert_close(ph(h[None])[0], exact(h[None])[0], atol=0, rtol=0)
+    assert (ph.tokens, ph.fallbacks) == (1, 1)
+
+
+def test_many_rows_and_shapes():
+    vocab, d = 2048, 64
+    exact = _head(vocab, d)
+    hid = _hidden(300, d)
+    ph = sh.PreviewHead(exact, sh.preview(sh.fit(exact.weight, hid), 32, 256))
+    x = hid[:6].view(2, 3, d)
+    torch.testing.assert_close(ph(x), exact(x), atol=0, rtol=0)   # several rows: the exact head
+    assert ph.tokens == 0
+    assert ph(hid[:1].view(1, 1, d)).shape == (1, 1, vocab)
+    with pytest.raises(ValueError, match="does not fit"):
+        sh.PreviewHead(exact, sh.HeadPreview(torch.zeros(vocab + 1, 32), torch.zeros(32, d), 256))
+    with pytest.raises(ValueError, match="hidden states must be"):
+        sh.fit(exact.weight, hid[:, :10])
+
+
+def test_choose_picks_the_smallest_rank_that_agrees():
+    vocab, d = 4096, 256
+    exact = _head(vocab, d, rank=40)
+
+    class M(torch.nn.Module):
+        head = exact
+
+    hp, tried = sh.choose(M(), _hidden(1200, d), target=0.999, progress=False)
+    # ranks tried from d/8 up (multiples of 32: 32, 64, 96); a rank at or above the head's (40) agrees
+    assert [t["rank"] for t in tried] in ([32], [32, 64])
+    assert hp is not None and hp.rank == tried[-1]["rank"] and hp.stats["agreement"] >= 0.999
+    assert all(t["agreement"] < 0.999 for t in tried[:-1])
