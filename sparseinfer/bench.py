@@ -50,6 +50,7 @@ def bench_record(llm, n_prompt: int = 512, n_gen: int = 128, repetitions: int = 
             "ffn_rows_touched_fraction": round(best["ffn_rows_touched_fraction"], 4),
             "bytes_per_token": int(best["bytes_per_token"]),
             "predictor_time_fraction": round(best["predictor_time_fraction"], 4),
+            "head": best["head"], "head_fallback_fraction": round(best["head_fallback_fraction"], 4),
             "act_mode": cpu.activation_mode(), "kernels": cpu.simd_level()}
 
 
@@ -72,4 +73,6 @@ def format_record(rec: dict, n_prompt: int, n_gen: int) -> str:
             f"FFN rows touched {rec['ffn_rows_touched_fraction']:.3f})\n"
             f"prompt ({n_prompt} tokens): {rec['prompt_tps']:.1f} tok/s\n"
             f"decode ({n_gen} tokens):  {rec['decode_tps']:.1f} tok/s, {rec['bytes_per_token'] / 2**20:.1f} MiB/token, "
-            f"predictor {100 * rec['predictor_time_fraction']:.1f}% of decode time")
+            f"predictor {100 * rec['predictor_time_fraction']:.1f}% of decode time"
+            + (f"\nhead: {rec['head']}, the exact head for {100 * rec['head_fallback_fraction']:.1f}% of tokens"
+               if rec.get("head", "exact") != "exact" else ""))

@@ -122,3 +122,43 @@ def test_choose_picks_the_smallest_rank_that_agrees():
     assert [t["rank"] for t in tried] in ([32], [32, 64])
     assert hp is not None and hp.rank == tried[-1]["rank"] and hp.stats["agreement"] >= 0.999
     assert all(t["agreement"] < 0.999 for t in tried[:-1])
+
+
+def test_a_models_decode_with_the_preview(tmp_path):
+    """A tiny model: greedy decode with the preview installed gives the exact head's tokens;
+    the benchmark fields name the head and count the preview's bytes instead of the head's."""
+    from sparseinfer.generate import decode, prefill
+    from sparseinfer.io.weights import SafetensorsSource
+    from sparseinfer.models.registry import build_model
+    from sparseinfer.sparse.apply import bench_fields, reset_stats, weight_bytes
+
+    from tiny import hf_model, save_folder
+
+    src = SafetensorsSource(save_folder(hf_model("llama"), tmp_path / "llama"))
+    model = build_model(src)
+    d = src.config.hidden_size
+
+    def run(n=12):
+        cache = model.new_cache(32)
+        with torch.inference_mode():
+            tok = int(prefill(model, [5, 17, 42], cache).argmax())
+            out = [tok]
+            for _ in range(n):
+                tok = int(decode(model, tok, cache).argmax())
+                out.append(tok)
+        return out
+
+    want = run()
+    dense_other, _ = weight_bytes(model)
+    w = model.head.weight
+    ph = sh.install(model, sh.preview(sh.fit(w, _hidden(300, d)), 32, 64))
+    assert sh.install(model, ph.hp).exact is ph.exact          # installing again replaces, never nests
+    reset_stats(model)
+    assert run() == want
+    f = bench_fields(model, 1.0)
+    assert f["head"] == "preview rank 32" and 0.0 <= f["head_fallback_fraction"] <= 1.0
+    other, _ = weight_bytes(model)
+    ph = model.head
+    assert other == dense_other + ph.a.nbytes - w.nbytes + ph.k * (w.nbytes // w.rows)
+    sh.remove(model)
+    assert model.head is ph.exact and bench_fields(model, 1.0)["head"] == "exact"

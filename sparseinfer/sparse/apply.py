@@ -103,6 +103,9 @@ def set_mode(model: nn.Module, mode: str) -> None:
 def reset_stats(model: nn.Module) -> None:
     for ffn in sparse_ffns(model):
         ffn.reset_stats()
+    head = getattr(model, "head", None)
+    if hasattr(head, "fallbacks"):
+        head.tokens = head.fallbacks = 0
 
 
 def decode_stats(model: nn.Module) -> dict:
@@ -229,13 +232,18 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 def bench_fields(model: nn.Module, decode_seconds: float) -> dict:
     """The benchmark's sparsity fields for the decode steps since `reset_stats`: mode, density,
     FFN rows touched, weight bytes read per token, predictor share of decode time."""
+    from .head import PreviewHead
+
     other, ffn_dense = weight_bytes(model)
     st = decode_stats(model)
+    head = getattr(model, "head", None)
+    hf = ({"head": f"preview rank {head.hp.rank}", "head_fallback_fraction": head.fallbacks / max(head.tokens, 1)}
+          if isinstance(head, PreviewHead) else {"head": "exact", "head_fallback_fraction": 0.0})
     if not st:
         return {"mode": "dense", "density": 1.0, "ffn_rows_touched_fraction": 1.0,
-                "bytes_per_token": other + ffn_dense, "predictor_time_fraction": 0.0}
+                "bytes_per_token": other + ffn_dense, "predictor_time_fraction": 0.0, **hf}
     forced = sparse_ffns(model)[0].density
     return {"mode": "sparse" if forced is None else "density", "density": st["density"],
             "ffn_rows_touched_fraction": st["ffn_rows_touched_fraction"],
             "bytes_per_token": other + st["ffn_bytes_per_token"],
-            "predictor_time_fraction": st["predictor_seconds"] / max(decode_seconds, 1e-9)}
+            "predictor_time_fraction": st["predictor_seconds"] / max(decode_seconds, 1e-9), **hf}
