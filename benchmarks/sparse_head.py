@@ -141,9 +141,9 @@ def main() -> None:
            "candidates": pack.head.candidates, "prompts": len(ps), "n_gen": a.n_gen,
            "identical": round(same_pos / total, 5), "per_token": round(same_tok / total, 5),
            "fallback": round(fell, 5), "n_prompt": a.n_prompt, "rounds": a.rounds,
-           "exact_tok_s": round(statistics.median(p[0] for p in pairs), 2),
-           "preview_tok_s": round(statistics.median(p[1] for p in pairs), 2),
-           "speedup": round(statistics.median(p[1] / p[0] for p in pairs), 3),
+           **({"exact_tok_s": round(statistics.median(p[0] for p in pairs), 2),
+               "preview_tok_s": round(statistics.median(p[1] for p in pairs), 2),
+               "speedup": round(statistics.median(p[1] / p[0] for p in pairs), 3)} if pairs else {}),
            "head_bytes": w.nbytes, "preview_bytes": ph.a.nbytes + ph.b.numel() * 4 + ph.k * (w.nbytes // w.rows)}
     print(json.dumps(rec))
     if a.json:
