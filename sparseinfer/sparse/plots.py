@@ -75,12 +75,13 @@ def plot_ppl_vs_sparsity(curves: dict[str, list[dict]], path: str | Path) -> Pat
 
 
 def plot_ppl_vs_speed(search: list[dict], budget: float, ev: dict | None, speed: dict, path: str | Path,
-                      title: str = "") -> Path:
+                      title: str = "", head: dict | None = None) -> Path:
     """The sparsity search of `sparseinfer prepare` as perplexity against speed: each sparsity
     tried (points {"sparsity", "ppl", "speedup"}, the first one dense) at its held-out
     perplexity increase and its measured decode speed-up with the thresholds alone (first
-    projection dense); the pack (thresholds + predictors, `ev["ppl_sparse"]`) at its measured
-    speed-up (`speed["speedup"]`); the budget as a line."""
+    projection dense); the pack (thresholds + predictors, with its head preview if any,
+    `ev["ppl_sparse"]`) at its measured speed-up (`speed["speedup"]`); the head preview alone
+    (`head`, a speed record; dense FFNs, so dense perplexity) when given; the budget as a line."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     dense = search[0]["ppl"]
@@ -92,7 +93,11 @@ def plot_ppl_vs_speed(search: list[dict], budget: float, ev: dict | None, speed:
         ax.annotate(f"{p['sparsity']:.2f}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
     if ev and ev.get("ppl_sparse"):
         ax.plot([speed["speedup"]], [100 * (ev["ppl_sparse"] / ev["ppl_dense"] - 1)], "*", color="tab:orange", ms=14,
-                label=f"the pack (thresholds + predictors): {speed['sparse_tok_s']:.1f} vs {speed['dense_tok_s']:.1f} tok/s")
+                label=f"the pack (thresholds + predictors{' + head preview' if head else ''}): "
+                      f"{speed['sparse_tok_s']:.1f} vs {speed['dense_tok_s']:.1f} tok/s")
+    if head:
+        ax.plot([head["speedup"]], [0.0], "D", color="tab:green", ms=8,
+                label=f"the head preview alone, dense FFNs: {head['sparse_tok_s']:.1f} vs {head['dense_tok_s']:.1f} tok/s")
     ax.axhline(100 * budget, color="grey", lw=0.8, ls=":", label=f"budget +{100 * budget:.0f}%")
     ax.axvline(1.0, color="black", lw=0.6)
     ax.set_yscale("symlog", linthresh=1.0)

@@ -128,7 +128,7 @@ def _prepare(model, source, tokenizer, model_path: Path, opts: PrepareOptions, t
             png2 = out.with_name(out.name + ".speed.png")
             plot_ppl_vs_speed(search, pack.info.get("max_ppl_increase", 0.03), pack.info.get("eval"), speed, png2,
                               f"{pack.model['name']}: held-out perplexity vs decode speed ({speed['cpu']}, "
-                              f"{speed['threads']} threads)")
+                              f"{speed['threads']} threads)", pack.head.stats.get("speed") if pack.head else None)
             pack.info["plot_speed"] = str(png2)
     pack.info["seconds"] = round(time.perf_counter() - t_start, 1)
     pack.save(out)
