@@ -160,5 +160,10 @@ def test_a_models_decode_with_the_preview(tmp_path):
     other, _ = weight_bytes(model)
     ph = model.head
     assert other == dense_other + ph.a.nbytes - w.nbytes + ph.k * (w.nbytes // w.rows)
+    # a head placed on a GPU is the exact one: the preview (CPU only) costs no device memory
+    from sparseinfer.hybrid.costs import cost_model
+
+    with_preview = cost_model(model, 32).head
     sh.remove(model)
     assert model.head is ph.exact and bench_fields(model, 1.0)["head"] == "exact"
+    assert cost_model(model, 32).head == with_preview

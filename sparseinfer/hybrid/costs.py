@@ -124,7 +124,8 @@ def cost_model(model, ctx_size: int, device_type: str = "cuda", cache_type: str 
                                  n_neurons=ffn.n_neurons, dense_ffn=dense_ffn_bytes(ffn)))
         pred = carried_predictor(ffn)
         pred_hidden = max(pred_hidden, 0 if pred is None else pred.hidden_size)
-    head = device_bytes(model.norm) + device_bytes(model.head)
+    # the exact head: a head placed on the device leaves its CPU preview behind (`sparse.head`)
+    head = device_bytes(model.norm) + device_bytes(getattr(model.head, "exact", model.head))
     n_ffn = max(lc.n_neurons for lc in layers) if layers else 0
     scratch = scratch_bytes(c, ctx_size, n_ffn, device_type, pred_hidden, chunk)
     return CostModel(tuple(layers), head, scratch, FFN_TENSORS * 512)
