@@ -144,7 +144,7 @@ def main() -> None:
            **({"exact_tok_s": round(statistics.median(p[0] for p in pairs), 2),
                "preview_tok_s": round(statistics.median(p[1] for p in pairs), 2),
                "speedup": round(statistics.median(p[1] / p[0] for p in pairs), 3)} if pairs else {}),
-           "head_bytes": w.nbytes, "preview_bytes": ph.a.nbytes + ph.b.numel() * 4 + ph.k * (w.nbytes // w.rows)}
+           "head_bytes": w.nbytes, "preview_bytes": ph.preview_bytes + ph.k * (w.nbytes // w.rows)}
     print(json.dumps(rec))
     if a.json:
         with open(a.json, "w") as f:

@@ -50,9 +50,6 @@ class HeadPreview:
     def rank(self) -> int:
         return int(self.b.shape[0])
 
-    def nbytes(self) -> int:
-        """Bytes of the preview as decode holds it (A in q8, B in f32)."""
-        return from_float(self.a[:1].float(), "q8").nbytes * self.a.shape[0] + self.b.numel() * 4
 
 
 @dataclass
@@ -136,6 +133,11 @@ class PreviewHead(nn.Module):
     @property
     def weight(self):
         return self.exact.weight
+
+    @property
+    def preview_bytes(self) -> int:
+        """Bytes of the preview as decode reads it (A in q8, B in f32)."""
+        return self.a.nbytes + self.b.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -243,8 +245,9 @@ def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9995, held_
         if rank >= w.cols:
             break
         hp = preview(basis, rank, k)
-        st = {"rank": hp.rank, "candidates": k, "preview_bytes": hp.nbytes(), "head_bytes": w.nbytes,
-              **agreement(PreviewHead(exact, hp), hidden[cut:], want)}
+        ph = PreviewHead(exact, hp)
+        st = {"rank": hp.rank, "candidates": k, "preview_bytes": ph.preview_bytes, "head_bytes": w.nbytes,
+              **agreement(ph, hidden[cut:], want)}
         tried.append(st)
         if progress:
             print(f"head preview rank {hp.rank}: greedy agreement {st['agreement']:.4f}, exact head for "
