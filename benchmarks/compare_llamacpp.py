@@ -2,6 +2,7 @@
 
     python benchmarks/compare_llamacpp.py -m qwen2.5-coder-1.5b -t 2 [--rounds 2] [--json out.json]
     python benchmarks/compare_llamacpp.py -m qwen2.5-coder-1.5b --ours-args "--density 0.1"
+    python benchmarks/compare_llamacpp.py -m qwen2.5-coder-1.5b --ours-args "--dense SPARSEINFER_Q4K=0"
     python benchmarks/compare_llamacpp.py -m SmolLM2 --memory [--ctx 4096]
 
 Measures prompt (512 tokens) and decode (128 tokens) tok/s for each engine, alternating the
@@ -52,10 +53,14 @@ def bench_llamacpp(path: str, threads: int, n_prompt: int, n_gen: int) -> dict:
 
 
 def bench_ours(model: str, threads: int, n_prompt: int, n_gen: int, extra: list[str]) -> dict:
-    """Run `sparseinfer bench` in a subprocess (a fresh process, like llama.cpp's)."""
+    """Run `sparseinfer bench` in a subprocess (a fresh process, like llama.cpp's).  Words of
+    `extra` of the form NAME=value are environment variables for that run (e.g. SPARSEINFER_Q4K=0)."""
+    env = dict(os.environ)
+    env.update(e.split("=", 1) for e in extra if "=" in e and not e.startswith("-"))
+    args = [e for e in extra if not ("=" in e and not e.startswith("-"))]
     out = subprocess.run([sys.executable, "-m", "sparseinfer.commands", "bench", "-m", model, "-t", str(threads),
-                          "--n-prompt", str(n_prompt), "--n-gen", str(n_gen), "--json", "/dev/stdout", *extra],
-                         capture_output=True, text=True, check=True).stdout
+                          "--n-prompt", str(n_prompt), "--n-gen", str(n_gen), "--json", "/dev/stdout", *args],
+                         capture_output=True, text=True, check=True, env=env).stdout
     rec = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
     return {"engine": "sparseinfer " + " ".join(extra) if extra else "sparseinfer", **rec}
 
@@ -144,7 +149,8 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ours-args", action="append", default=[],
-                    help="extra `sparseinfer bench` arguments for one configuration (repeatable)")
+                    help="extra `sparseinfer bench` arguments for one configuration (repeatable); "
+                         "NAME=value words set environment variables for it")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="peak RSS, load time and sharing instead of speed")
     ap.add_argument("--ctx", type=int, default=4096, help="context size for --memory")

@@ -188,9 +188,6 @@ extern const struct si_attend_fns si_attend_avx2;   /* 8-float vectors (kern_avx
 extern const struct si_attend_fns si_attend_avx512; /* 16-float vectors (kern_avx512.c); D a multiple of 16 */
 void si_softmax_rows_avx2(float *sc, int n, int64_t L);
 void si_kv_store_avx2(int type, const float *x, void *row, int64_t D); /* F16C; also the AVX-512 levels' */
-/* q4k products (dot_q of the AVX2 level), also the AVX-512 levels' */
-void si_dot_q4k_avx2(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1, const xq_t *xq, int64_t T,
-                     const yout_t *out);
 #endif
 #ifndef ATT_LB
 #define ATT_LB 64 /* positions per block of the P V product (their V rows stay in L1/L2) */

@@ -949,12 +949,6 @@ static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int6
     }
 }
 
-/* the AVX-512 levels' q4k products (they have no kernels of their own for it) */
-void si_dot_q4k_avx2(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1, const xq_t *xq, int64_t T,
-                     const yout_t *out) {
-    dot_q(w, rows, i0, i1, xq, T, out);
-}
-
 const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, &si_attend_avx2, 8,
                                    si_kv_store_avx2, 0, NULL, NULL, cols_group};
 #else

@@ -238,6 +238,11 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
     prefetch_next(w, rn, R, pf);
     const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
     const __m512i four = _mm512_set1_epi32(4);
+    /* The next tile's rows are a whole row ahead of these: for rows of 2 KB and more that is
+     * too far for L1 (4-8 rows of it would sit there), so they go to L2 instead; on AMD EPYC
+     * (Zen 4) that read 1536x8960 q4 products faster and short rows no slower
+     * (`python benchmarks/kernels.py`). */
+    const int long_rows = w->row_bytes >= 2048;
     for (int64_t g0 = 0; g0 < ng; g0 += 4) {
         const int nsub = ng - g0 >= 4 ? 4 : (int)(ng - g0);
         const __mmask16 mk = (__mmask16)((1u << (4 * nsub)) - 1);
@@ -250,7 +255,8 @@ AI void q4_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             const int8_t *xb = xq->q + 128 * g;
             __m512i xl = _mm512_loadu_si512(xb), xh = _mm512_loadu_si512(xb + 64);
             for (int r = 0; r < R; r++) {
-                pfx((const char *)(pf[r] + 64 * g));
+                if (long_rows) _mm_prefetch((const char *)(pf[r] + 64 * g), _MM_HINT_T1);
+                else pfx((const char *)(pf[r] + 64 * g));
                 __m512i v = _mm512_loadu_si512(qp[r] + 64 * g);
                 __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 __m512i p = DP512(DP512(z, lo, xl), hi, xh);
@@ -462,6 +468,78 @@ AI void q6_tile1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
     for (int r = 0; r < R; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+/* q4k (GGUF Q4_K super-blocks as the file stores them, common.h) against XL_Q8K activations.
+ * Code bytes 32c..32c+31 of a super-block hold sub-block 2c in their low nibbles and 2c+1 in
+ * their high ones, while activation bytes 64c..64c+63 are those two sub-blocks in natural
+ * order: the 32 code bytes are loaded into both halves of a register and shifted by 0 (lower
+ * half) or 4 (upper), which lines the codes up with the activations as they are (no shuffle
+ * of either; the same lanes for any number of tokens).  Codes times activations are summed in
+ * int16 pairs (VPMADDUBSW: at most 2 * 15 * 127), multiplied by their sub-block's 6-bit scale
+ * and summed to int32 (VPDPWSSD, or VPMADDWD + add without VNNI): the integer sums are exact,
+ * so the float work per (row, token) is one multiply-add per 256 weights plus the mins term
+ * (mn[i] times the activation's block sums s[i], lanes 0..7).  The rows of a tile are done one
+ * after another (their sums stay in registers); R rows and T tokens only share the loop, so
+ * every (row, token) is computed the same way for any R and T (a prompt row equals the
+ * one-token result, gathered rows the dense ones). */
+#if SI_VNNI
+#define DPW512(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define DPW512(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+/* VPSHUFB indices that put the int16 scale of sub-block 2c in 128-bit lanes 0-1 and of 2c+1
+ * in lanes 2-3 */
+AI __m512i q4k_scale_index(int c) {
+    const int a = 2 * c, b = 2 * c + 1;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)((2 * a) | ((2 * a + 1) << 8)))),
+                              _mm256_set1_epi16((short)((2 * b) | ((2 * b + 1) << 8))), 1);
+}
+AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, const int R, const int T,
+                 float (*res)[4]) {
+    const int64_t ns = w->kp / 256;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512(), sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    for (int r = 0; r < R; r++) {
+        const uint8_t *qp = w->qs + rr[r] * w->row_bytes, *pf = w->qs + rn[r] * w->row_bytes;
+        __m512 acc[4], accm[4]; /* the d * sc * q terms and the mins terms */
+        for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+        for (int64_t sb = 0; sb < ns; sb++) {
+            const uint8_t *blk = qp + sb * SI_Q4K_BYTES, *nb = pf + sb * SI_Q4K_BYTES;
+            for (int o = 0; o < SI_Q4K_BYTES; o += 48) { /* every line it spans */
+                if (T == 1) pfx((const char *)nb + o);
+                else _mm_prefetch((const char *)nb + o, _MM_HINT_T1);
+            }
+            uint32_t sc0, sc1, mn0, mn1;
+            si_q4k_scale_min(blk + 4, &sc0, &sc1, &mn0, &mn1);
+            uint16_t hd, hm;
+            memcpy(&hd, blk, 2);
+            memcpy(&hm, blk + 2, 2);
+            const __m512i scv = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc1, (int)sc0)));
+            __m512i wc[4], sc[4];
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
+                wc[c] = _mm512_and_si512(_mm512_srlv_epi64(v, sh), m4); /* sub-block 2c | 2c+1 */
+                sc[c] = _mm512_shuffle_epi8(scv, q4k_scale_index(c));
+            }
+            /* lanes 0..7: -dmin * mn[i]; lanes 8..15: 0 */
+            const __m512 mneg = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn1, (int)mn0))),
+                                              _mm512_set1_ps(-_cvtsh_ss(hm)));
+            const float dw = _cvtsh_ss(hd);
+            for (int t = 0; t < T; t++) {
+                const int8_t *xb = xq->q + t * xq->q_stride + 256 * sb;
+                /* two chains of two (latency), added: the same exact sum */
+                const __m512i s0 = DPW512(DPW512(z, _mm512_maddubs_epi16(wc[0], _mm512_loadu_si512(xb)), sc[0]),
+                                          _mm512_maddubs_epi16(wc[1], _mm512_loadu_si512(xb + 64)), sc[1]);
+                const __m512i s1 = DPW512(DPW512(z, _mm512_maddubs_epi16(wc[2], _mm512_loadu_si512(xb + 128)), sc[2]),
+                                          _mm512_maddubs_epi16(wc[3], _mm512_loadu_si512(xb + 192)), sc[3]);
+                const float *dx = xq->d + t * xq->d_stride + 8 * sb, *sx = xq->s + t * xq->d_stride + 8 * sb;
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(dw * dx[0]), acc[t]);
+                accm[t] = _mm512_fmadd_ps(mneg, _mm512_maskz_loadu_ps(0xFF, sx), accm[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) res[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], accm[t]));
+    }
+}
+#undef DPW512
+
 #define TILE_FN(name, tile, R, T) \
     static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
         tile(w, rr, rn, xq, R, T, res); }
@@ -481,6 +559,23 @@ TILE1_FN(q4_1x1, q4_tile1, 1)
 TILE8_FN(q4_8x1, q4_tile1)
 TILE8_FN(q8_8x1, q8_tile1)
 TILE8_FN(q6_8x1, q6_tile1)
+/* q4k: one tile function for any R, T (q4k_tile's rows are walked one at a time) */
+#define Q4K_FN(name, R, T) \
+    static __attribute__((noinline)) void name(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float res[4][4]) { \
+        q4k_tile(w, rr, rn, xq, R, T, res); }
+Q4K_FN(q4k_4x4, 4, 4)
+Q4K_FN(q4k_4x2, 4, 2)
+Q4K_FN(q4k_4x1, 4, 1)
+Q4K_FN(q4k_4x3, 4, 3)
+Q4K_FN(q4k_1x4, 1, 4)
+Q4K_FN(q4k_1x2, 1, 2)
+Q4K_FN(q4k_1x1, 1, 1)
+Q4K_FN(q4k_1x3, 1, 3)
+static __attribute__((noinline)) void q4k_8x1(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_t *xq, float *res) {
+    float o[8][4];
+    q4k_tile(w, rr, rn, xq, 8, 1, o);
+    for (int r = 0; r < 8; r++) res[r] = o[r][0];
+}
 TILE_FN(q4_4x2, q4_tile, 4, 2)
 TILE_FN(q4_1x2, q4_tile, 1, 2)
 TILE_FN(q4_4x3, q4_tile, 4, 3)
@@ -503,12 +598,13 @@ TILE_FN(q6_4x3, q6_tile, 4, 3)
 TILE_FN(q6_1x3, q6_tile, 1, 3)
 
 typedef void (*qtile_fn)(const qmat_t *, const int64_t *, const int64_t *, const xq_t *, float[4][4]);
-/* the tile for a format (q8, q4, q6: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1, 3: index 3 is
- * the three-token tile, for a batch of three rows or the rest of seven) */
-static const qtile_fn QTILES[3][2][4] = {
+/* the tile for a format (q8, q4, q6, q4k: fmt - FMT_Q8), R (4, 1) and Tn (4, 2, 1, 3: index 3
+ * is the three-token tile, for a batch of three rows or the rest of seven) */
+static const qtile_fn QTILES[4][2][4] = {
     {{q8_4x4, q8_4x2, q8_4x1, q8_4x3}, {q8_1x4, q8_1x2, q8_1x1, q8_1x3}},
     {{q4_4x4, q4_4x2, q4_4x1, q4_4x3}, {q4_1x4, q4_1x2, q4_1x1, q4_1x3}},
     {{q6_4x4, q6_4x2, q6_4x1, q6_4x3}, {q6_1x4, q6_1x2, q6_1x1, q6_1x3}},
+    {{q4k_4x4, q4k_4x2, q4k_4x1, q4k_4x3}, {q4k_1x4, q4k_1x2, q4k_1x1, q4k_1x3}},
 };
 
 /* Position of the r-th row of tile j: with one token, a tile takes its 4 rows from 4
@@ -529,10 +625,6 @@ AI int64_t walk_pos(const walk_t *wk, int64_t j, int r) { return wk->q ? wk->i0 
 
 static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
                   const xq_t *xq, int64_t T, const yout_t *out) {
-    if (w->fmt == FMT_Q4K) {
-        si_dot_q4k_avx2(w, rows, i0, i1, xq, T, out);
-        return;
-    }
     const qtile_fn(*tiles)[4] = QTILES[w->fmt - FMT_Q8];
     const int P = xq->pair ? 1 : 0;
     if (T == 1 && !P && rows && i1 - i0 >= 16) {
@@ -541,8 +633,8 @@ static void dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t i1,
          * (gemv_rows, the records pass) faster than 4 (the quarters of walk_pos).  Dense rows
          * stay on 4 streams: 8 read tall matrices a little slower and the others no faster
          * (`python benchmarks/kernels.py` compares both). */
-        si_dot_rows8(w, rows, i0, i1, xq, out, w->fmt == FMT_Q4 ? q4_8x1 : w->fmt == FMT_Q8 ? q8_8x1 : q6_8x1,
-                     tiles[1][2]);
+        static const si_tile8_fn TILE8[4] = {q8_8x1, q4_8x1, q6_8x1, q4k_8x1};
+        si_dot_rows8(w, rows, i0, i1, xq, out, TILE8[w->fmt - FMT_Q8], tiles[1][2]);
         return;
     }
     const walk_t wk = walk_init(i0, i1, T >> P);
