@@ -687,6 +687,50 @@ def test_matmul_f32_equals_float_product(fmt, m, monkeypatch):
     assert torch.equal(cpu.matmul_f32(w, x), y)
 
 
+@pytest.mark.parametrize("fmt", FORMATS + ["q4k"])
+@pytest.mark.parametrize("m", [2, 5, 130])
+def test_matmul_bf16_matches_its_reference(fmt, m, monkeypatch):
+    """The bfloat16 GEMM over dequantized slices against reference.matmul_bf16 (the same
+    roundings in float64): equal up to one bfloat16 step of the output, which the float32 sums'
+    order may move across a rounding boundary; repeatable."""
+    cols = 256 if fmt == "q4k" else 70
+    monkeypatch.setattr(cpu, "_SLICE_BYTES", 4 * cols * 16)  # several slices, one partial
+    w, x = make_weight(fmt, 75, cols), rand(m, cols)
+    want = ref.matmul_bf16(w, x)
+    y = cpu.matmul_bf16(w, x)
+    assert y.shape == (m, 75) and y.is_contiguous() and y.dtype == torch.float32
+    mag = x.double().abs() @ w.dequantize().double().abs().T
+    assert bool(((y.double() - want.double()).abs() <= 2.0 ** -7 * want.double().abs() + 1e-6 * mag).all())
+    assert torch.equal(cpu.matmul_bf16(w, x), y)
+
+
+def test_prefill_route_takes_bf16_gemm_only_where_it_pays(monkeypatch):
+    """kernels.matmul sends long prompts of q4k (and q6) weights to the bfloat16 GEMM on CPUs
+    that multiply bfloat16 natively, in the int8 activation mode, off the tile levels; never q4,
+    never short prompts, never without native bfloat16."""
+    import sparseinfer.kernels as K
+
+    calls = []
+    monkeypatch.setattr(cpu, "matmul_bf16", lambda w, x: calls.append(w.fmt) or torch.zeros(x.shape[0], w.rows))
+    monkeypatch.setattr(cpu, "simd_level", lambda: "avx512vnni")
+    old = cpu.activation_mode()
+    try:
+        cpu.set_activation_mode("int8")
+        w4k, w4, x = make_weight("q4k", 8, 256), make_weight("q4", 8, 256), rand(K._BF16_GEMM_MIN_ROWS["q4k"], 256)
+        monkeypatch.setattr(cpu, "bf16_gemm_native", lambda: True)
+        K.matmul(w4k, x), K.matmul(w4, x), K.matmul(w4k, x[:4])
+        assert calls == ["q4k"]
+        monkeypatch.setattr(cpu, "bf16_gemm_native", lambda: False)
+        K.matmul(w4k, x)
+        assert calls == ["q4k"]
+        monkeypatch.setattr(cpu, "bf16_gemm_native", lambda: True)
+        cpu.set_activation_mode("precise")
+        K.matmul(w4k, x)
+        assert calls == ["q4k"]
+    finally:
+        cpu.set_activation_mode(old)
+
+
 def test_dequantize_and_f32_product_without_extension(monkeypatch):
     monkeypatch.setattr(cpu, "_cpu", None)
     monkeypatch.setattr(cpu, "_IMPORT_ERROR", ImportError("simulated"), raising=False)

@@ -595,10 +595,10 @@ _CHUNK_BYTES = 4 << 20  # file bytes converted at a time (`tensor_to_qweight`)
 
 
 # Kernel levels that load Q4_K as q4k (GGUF Q4_K as the file stores it, 4.5 bits per weight)
-# rather than the q4 repack (5 bits) by default: those where q4k's products measure faster
-# (`python benchmarks/kernels.py --formats q4,q4k`, and `sparseinfer bench` with
-# $SPARSEINFER_Q4K=0 and 1 alternated).  None so far: docs/kernels.md says why on AVX2, and the
-# AVX-512 levels run the AVX2 q4k kernel, not one of their own.
+# rather than the q4 repack (5 bits) by default: those where a model decodes and reads its
+# prompt at least as fast with q4k (`python benchmarks/compare_llamacpp.py --ours-args "--dense
+# SPARSEINFER_Q4K=0" --ours-args "--dense SPARSEINFER_Q4K=1"`, alternated).  None so far:
+# docs/kernels.md says why, on AVX2 and on AVX-512 with VNNI.
 Q4K_LEVELS: tuple[str, ...] = ()
 
 

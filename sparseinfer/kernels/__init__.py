@@ -19,6 +19,14 @@ _F32_GEMM_MIN_ROWS = {
 }
 
 
+# Rows of X from which, on CPUs that multiply bfloat16 in hardware (`cpu.bf16_gemm_native`), a
+# product in the int8 activation mode runs as torch's bfloat16 GEMM on rows dequantized slice
+# by slice (`cpu.matmul_bf16`): where it outran the integer kernels on an AMD EPYC (Zen 4) with
+# AVX512_BF16 (`python benchmarks/kernels.py`); q4 stays on its integer kernels at every size.
+# Not on a tile level: its integer tiles are faster still.
+_BF16_GEMM_MIN_ROWS = {"q4k": 128, "q6": 512}
+
+
 def _gemm_min_rows(cpu) -> dict:
     mode = cpu.activation_mode()
     return _F32_GEMM_MIN_ROWS["tiles" if mode == "int8" and cpu.simd_level() in cpu.TILE_LEVELS else mode]
@@ -30,8 +38,13 @@ def matmul(w: QWeight, x2: torch.Tensor) -> torch.Tensor:
     if x2.device.type == "cpu":
         from . import cpu
 
-        if x2.shape[0] > 1 and cpu.available() and x2.shape[0] >= _gemm_min_rows(cpu).get(w.fmt, 1 << 62):
-            return cpu.matmul_f32(w, x2)
+        m = x2.shape[0]
+        if m > 1 and cpu.available():
+            if (m >= _BF16_GEMM_MIN_ROWS.get(w.fmt, 1 << 62) and cpu.bf16_gemm_native()
+                    and cpu.activation_mode() == "int8" and cpu.simd_level() not in cpu.TILE_LEVELS):
+                return cpu.matmul_bf16(w, x2)
+            if m >= _gemm_min_rows(cpu).get(w.fmt, 1 << 62):
+                return cpu.matmul_f32(w, x2)
         return cpu.matmul(w, x2)
     from .torch_device import matmul as device_matmul
 

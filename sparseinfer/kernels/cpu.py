@@ -33,7 +33,7 @@ except ImportError as e:  # no compiler at install time, or a stale build
     _cpu = None
     _IMPORT_ERROR = e
 
-__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "dequantize_rows", "set_num_threads",
+__all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "matmul_bf16", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "stacked_view", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
 _FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5, "q4k": 6}
@@ -360,6 +360,59 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
         if old != n:
             torch.set_num_threads(old)
     return yt.t().contiguous()
+
+
+def matmul_bf16(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """Y[M, N] = X W^T with torch's bfloat16 GEMM over slices of W's rows dequantized on the
+    fly (X and each slice rounded to bfloat16, the products summed in float32, Y rounded to
+    bfloat16 and returned as float32).  For long prompts on CPUs that multiply bfloat16 in
+    hardware (`bf16_gemm_native`), where it outruns the integer kernels of some formats; its
+    rounding (8 significant bits of each weight and activation) is finer than the int8
+    activations' of those kernels.  Reference: `reference.matmul_bf16`."""
+    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
+        raise ValueError(f"X must be a float32 CPU tensor of shape (M, {w.cols})")
+    m = x.shape[0]
+    xt = x.t().to(torch.bfloat16)
+    yt = torch.empty(w.rows, m, dtype=_F32)
+    step = max(16, _SLICE_BYTES // (4 * max(1, w.cols)) // 16 * 16)
+    s32 = torch.empty(min(step, w.rows), w.cols, dtype=_F32)
+    s16 = torch.empty(min(step, w.rows), w.cols, dtype=torch.bfloat16)
+    desc = None if _cpu is None else _desc(w)  # checked once, not per slice
+    n = get_num_threads()
+    old = torch.get_num_threads()
+    if old != n:
+        torch.set_num_threads(n)
+    try:
+        for r0 in range(0, w.rows, step):
+            r1 = min(w.rows, r0 + step)
+            if desc is None:
+                dequantize_rows(w, r0, r1, s32[: r1 - r0])
+            else:
+                _cpu.dequantize_rows(desc, r0, r1, s32.data_ptr())
+            s16[: r1 - r0].copy_(s32[: r1 - r0])
+            yt[r0:r1].copy_(torch.mm(s16[: r1 - r0], xt))
+    finally:
+        if old != n:
+            torch.set_num_threads(old)
+    return yt.t().contiguous()
+
+
+_BF16_NATIVE: bool | None = None
+
+
+def bf16_gemm_native() -> bool:
+    """True on CPUs whose vector or tile unit multiplies bfloat16 (AVX512_BF16 or AMX-BF16, read
+    from /proc/cpuinfo), where torch's bfloat16 GEMM runs at hardware speed; elsewhere it is
+    emulated and slow."""
+    global _BF16_NATIVE
+    if _BF16_NATIVE is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+        except OSError:
+            flags = []
+        _BF16_NATIVE = "avx512_bf16" in flags or "amx_bf16" in flags
+    return _BF16_NATIVE
 
 
 def act(x: torch.Tensor, name: str) -> torch.Tensor:

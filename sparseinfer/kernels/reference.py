@@ -76,6 +76,12 @@ def matmul(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.dequantize().T
 
 
+def matmul_bf16(w: QWeight, x: torch.Tensor) -> torch.Tensor:
+    """Y[M, N] = X W^T with X and W rounded to bfloat16, sums in float32, Y rounded to bfloat16."""
+    xb, wb = x.float().bfloat16().double(), w.dequantize().bfloat16().double()
+    return (xb @ wb.T).float().bfloat16().float()
+
+
 def gemv_rows(w: QWeight, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """y[j] = W[rows[j]] . x."""
     return w.dequantize()[rows.long()] @ x.float()
