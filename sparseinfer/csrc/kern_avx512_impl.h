@@ -497,6 +497,7 @@ AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
                  float (*res)[4]) {
     const int64_t ns = w->kp / 256;
     const __m512i m4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512(), sh = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+    const int l1 = T == 1 && w->row_bytes < 2048; /* the next tile's rows into L1, as q4_tile1 */
     for (int r = 0; r < R; r++) {
         const uint8_t *qp = w->qs + rr[r] * w->row_bytes, *pf = w->qs + rn[r] * w->row_bytes;
         __m512 acc[4], accm[4]; /* the d * sc * q terms and the mins terms */
@@ -504,7 +505,7 @@ AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
         for (int64_t sb = 0; sb < ns; sb++) {
             const uint8_t *blk = qp + sb * SI_Q4K_BYTES, *nb = pf + sb * SI_Q4K_BYTES;
             for (int o = 0; o < SI_Q4K_BYTES; o += 48) { /* every line it spans */
-                if (T == 1) pfx((const char *)nb + o);
+                if (l1) pfx((const char *)nb + o);
                 else _mm_prefetch((const char *)nb + o, _MM_HINT_T1);
             }
             uint32_t sc0, sc1, mn0, mn1;
