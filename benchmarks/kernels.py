@@ -360,13 +360,19 @@ class Bench:
                     finally:
                         cpu._cpu.set_simd_level(level)
                     self.add("matmul_avx512vnni", fmt, d_ff, d_model, 1.0, t, w.nbytes, tokens=m, gops=ops / t / 1e9)
+                if cpu.bf16_gemm_native() and fmt in ("q4", "q8", "q6", "q4k"):
+                    # the bfloat16 GEMM on dequantized slices (kernels.matmul takes it for long
+                    # prompts of some formats on such CPUs)
+                    t = best_time(lambda: cpu.matmul_bf16(w, x), 3)
+                    self.add("matmul_bf16", fmt, d_ff, d_model, 1.0, t, w.nbytes, tokens=m, gops=ops / t / 1e9)
             wd = w32.clone()
             t = best_time(lambda: x @ wd.T, 3)
             self.add("torch_mm_f32", "f32", d_ff, d_model, 1.0, t, wd.numel() * 4, tokens=m, gops=ops / t / 1e9)
             wb, xb = w32.bfloat16(), x.bfloat16()
             t = best_time(lambda: xb @ wb.T, 3)
             self.add("torch_mm_bf16", "bf16", d_ff, d_model, 1.0, t, wb.numel() * 2, tokens=m, gops=ops / t / 1e9)
-            row = [f"{r['format']} {r['gops']:.0f}" for r in self.records if r.get("tokens") == m and r["rows"] == d_ff]
+            row = [f"{r['format']}{' bf16 GEMM' if r['kernel'] == 'matmul_bf16' else ''} {r['gops']:.0f}"
+                   for r in self.records if r.get("tokens") == m and r["rows"] == d_ff]
             log(f"  matmul M={m} {d_ff}x{d_model} GOPS: " + ", ".join(row))
 
     def overhead(self):
@@ -526,7 +532,8 @@ def write_markdown(path, b: Bench, meta):
         lines += ["", f"## Prefill matmul ({gm[0]['rows']}x{gm[0]['cols']}, GOPS = 2*M*N*K / time)", "",
                   f"Ours (`matmul`, level `{meta['simd']}`) on the stored format (integer formats: activations to "
                   "int8 per 32; VNNI dot products, or on `avx512amx` AMX tiles, with `matmul_avx512vnni` the same "
-                  "product on the VNNI tiles); torch on weights dequantized beforehand (bf16: activations rounded "
+                  "product on the VNNI tiles; `matmul_bf16`: torch's bfloat16 GEMM on slices dequantized on the fly, "
+                  "on CPUs with native bfloat16); torch on weights dequantized beforehand (bf16: activations rounded "
                   "to bf16).", "",
                   "| kernel | format | " + " | ".join(f"M={m}" for m in toks) + " |",
                   "|---|---|" + "---:|" * len(toks)]
@@ -618,6 +625,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="q4/q8 on the small model only, fewer passes")
     ap.add_argument("--no-extras", action="store_true", help="skip the torch/numba comparisons")
     ap.add_argument("--no-gemm", action="store_true", help="skip the prefill matmul section")
+    ap.add_argument("--gemm-only", action="store_true", help="only the prefill matmul section")
     ap.add_argument("--from-json", help="only rewrite --md/--plot from the records of an earlier --json run")
     args = ap.parse_args(argv)
     args.formats = args.formats.split(",")
@@ -642,6 +650,10 @@ def main(argv=None):
     for name in models:
         d_ff, d_model = MODELS[name]
         log(f"{name}: d_ff {d_ff}, d_model {d_model}")
+        if args.gemm_only:
+            if name == models[0]:
+                b.gemm(d_ff, d_model)
+            continue
         for fmt in [f for f in args.formats if f in ("q4", "q8", "q6", "q4k")]:
             rb = from_float(torch.zeros(1, d_model), fmt).row_bytes()
             g = random_rows_probe(rb, 0.1)
