@@ -391,12 +391,18 @@ AI void q6_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq_
     const uint8_t *pf[4];
     prefetch_next(w, rn, R, pf);
     const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
+    const int l1 = w->row_bytes < 2048; /* the next tile's rows: into L1 if short, L2 if long (q4_tile1) */
     for (int64_t g = 0; g < ng; g++) {
         __m512i wl[4], wh[4];
         __m512 dl[4], dh[4];
         for (int r = 0; r < R; r++) {
-            pfx((const char *)(pf[r] + 96 * g));
-            pfx((const char *)(pf[r] + 96 * g + 64));
+            if (l1) {
+                pfx((const char *)(pf[r] + 96 * g));
+                pfx((const char *)(pf[r] + 96 * g + 64));
+            } else {
+                _mm_prefetch((const char *)(pf[r] + 96 * g), _MM_HINT_T1);
+                _mm_prefetch((const char *)(pf[r] + 96 * g + 64), _MM_HINT_T1);
+            }
             q6_group(qp[r] + 96 * g, dp[r] + 8 * g, &wl[r], &wh[r], &dl[r], &dh[r]);
         }
         for (int t = 0; t < T; t++) {
