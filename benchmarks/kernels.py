@@ -10,6 +10,7 @@ Records cited by docs/performance.md (which gives the exact commands) are in ben
    11008x4096 / 4096x11008): GB/s, % of the best probe of the run, and % of a probe read just
    before each pass (for hosts whose bandwidth swings).  Several copies of each matrix are
    rotated so the working set (>= 1.5 GB) far exceeds the last-level cache.
+   Then the same product on one thread from the cache (512 rows): its instruction-bound speed.
 3. Sparse kernels on the neuron-major shapes (d_ff x d_model): gemv_rows (gate/up), axpy_rows
    (down_t) and the fused sparse_ffn at active fractions 1, 0.5, 0.25, 0.1, 0.05 (random
    sorted row ids), timed against the dense kernel reading the same bytes; sparse_ffn also on
@@ -228,7 +229,31 @@ class Bench:
                 r["dense_reference_seconds"] = t = min(t, ts)
                 del ws
             out[(rows, cols)] = t
+        self.cached(fmt, *shapes[0])
         return out
+
+    def cached(self, fmt, rows, cols, keep_rows=512):
+        """The one-token product on one thread from the cache (keep_rows x cols, called over and
+        over): the kernel's instruction-bound speed, which memory-bound runs cannot show."""
+        w = from_float(torch.randn(keep_rows, cols) * 0.02, fmt)
+        x, y = torch.randn(cols), torch.empty(keep_rows)
+        old = cpu.get_num_threads()
+        cpu.set_num_threads(1)
+        try:
+            for _ in range(50):
+                cpu.gemv(w, x, out=y)
+            best = math.inf
+            for _ in range(20):
+                t = time.perf_counter()
+                for _ in range(50):
+                    cpu.gemv(w, x, out=y)
+                best = min(best, (time.perf_counter() - t) / 50)
+        finally:
+            cpu.set_num_threads(old)
+        r = self.add("gemv_cached_1thread", fmt, keep_rows, cols, 1.0, best, w.nbytes,
+                     gweights_per_s=keep_rows * cols / best / 1e9)
+        log(f"  gemv {fmt:4s} {keep_rows}x{cols} from the cache, 1 thread: {best * 1e6:6.1f} us "
+            f"{r['gbps']:5.1f} GB/s, {r['gweights_per_s']:5.1f} G weights/s")
 
     # ------------------------------------------------------------------------ sparse
     def sparse(self, fmt, d_ff, d_model, t_up, t_down):

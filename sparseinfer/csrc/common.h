@@ -365,6 +365,14 @@ static inline void si_q4k_scale_min(const uint8_t *s12, uint32_t *sc_lo, uint32_
     *mn_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
 }
 
+/* A q4k super-block's header: its f16 d and dmin, and the 6-bit scales and mins of its 8
+ * sub-blocks, 4 bytes each of sub-blocks 0-3 (sc[0], mn[0]) and 4-7 (sc[1], mn[1]). */
+static inline void si_q4k_head(const uint8_t *blk, uint32_t sc[2], uint32_t mn[2], uint16_t *d, uint16_t *dmin) {
+    memcpy(d, blk, 2);
+    memcpy(dmin, blk + 2, 2);
+    si_q4k_scale_min(blk + 4, &sc[0], &sc[1], &mn[0], &mn[1]);
+}
+
 /* q4k: the scale and min of sub-block i (0..7) of a super-block's 12 scale bytes (the
  * portable kernels' reading of si_q4k_scale_min) */
 static inline void si_q4k_sub(const uint8_t *s12, int i, int *sc, int *mn) {

@@ -328,13 +328,11 @@ AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
             const uint8_t *blk = qp[r] + sb * SI_Q4K_BYTES, *nb = pf[r] + sb * SI_Q4K_BYTES;
             for (int o = 0; o < SI_Q4K_BYTES; o += 48) pfh((const char *)nb + o, t0); /* every line it spans */
             pfh((const char *)nb + SI_Q4K_BYTES - 1, t0);
-            uint32_t sc0, sc1, mn0, mn1;
-            si_q4k_scale_min(blk + 4, &sc0, &sc1, &mn0, &mn1);
+            uint32_t scw[2], mnw[2];
             uint16_t hd, hm;
-            memcpy(&hd, blk, 2);
-            memcpy(&hm, blk + 2, 2);
-            const __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc1, (int)sc0)));
-            const __m256 mneg = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn1, (int)mn0))),
+            si_q4k_head(blk, scw, mnw, &hd, &hm);
+            const __m256i scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)scw[1], (int)scw[0])));
+            const __m256 mneg = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mnw[1], (int)mnw[0]))),
                                               _mm256_set1_ps(-_cvtsh_ss(hm)));
             const float dw = _cvtsh_ss(hd);
             __m256i sumi[4];

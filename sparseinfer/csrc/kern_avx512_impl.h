@@ -510,16 +510,15 @@ AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
         for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int64_t sb = 0; sb < ns; sb++) {
             const uint8_t *blk = qp + sb * SI_Q4K_BYTES, *nb = pf + sb * SI_Q4K_BYTES;
-            for (int o = 0; o < SI_Q4K_BYTES; o += 48) { /* every line it spans */
-                if (l1) pfx((const char *)nb + o);
-                else _mm_prefetch((const char *)nb + o, _MM_HINT_T1);
+            for (int o = 0; o <= SI_Q4K_BYTES; o += 48) { /* every line it spans (143 last) */
+                const char *pa = (const char *)nb + (o < SI_Q4K_BYTES ? o : SI_Q4K_BYTES - 1);
+                if (l1) pfx(pa);
+                else _mm_prefetch(pa, _MM_HINT_T1);
             }
-            uint32_t sc0, sc1, mn0, mn1;
-            si_q4k_scale_min(blk + 4, &sc0, &sc1, &mn0, &mn1);
+            uint32_t scw[2], mnw[2];
             uint16_t hd, hm;
-            memcpy(&hd, blk, 2);
-            memcpy(&hm, blk + 2, 2);
-            const __m512i scv = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)sc1, (int)sc0)));
+            si_q4k_head(blk, scw, mnw, &hd, &hm);
+            const __m512i scv = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, (int)scw[1], (int)scw[0])));
             __m512i wc[4], sc[4];
             for (int c = 0; c < 4; c++) {
                 const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
@@ -527,7 +526,7 @@ AI void q4k_tile(const qmat_t *w, const int64_t *rr, const int64_t *rn, const xq
                 sc[c] = _mm512_shuffle_epi8(scv, q4k_scale_index(c));
             }
             /* lanes 0..7: -dmin * mn[i]; lanes 8..15: 0 */
-            const __m512 mneg = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn1, (int)mn0))),
+            const __m512 mneg = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mnw[1], (int)mnw[0]))),
                                               _mm512_set1_ps(-_cvtsh_ss(hm)));
             const float dw = _cvtsh_ss(hd);
             for (int t = 0; t < T; t++) {

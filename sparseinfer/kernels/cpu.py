@@ -333,33 +333,7 @@ def matmul_f32(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     activations are re-quantized per 32 values: the GEMM reuses each weight M times, so
     dequantizing each weight once is a small part of the work.  torch runs it on as many
     threads as the kernels use (the engine keeps torch at one thread for decode)."""
-    if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
-        raise ValueError(f"X must be a float32 CPU tensor of shape (M, {w.cols})")
-    m = x.shape[0]
-    xt = x.t()
-    yt = torch.empty(w.rows, m, dtype=_F32)
-    step = max(16, _SLICE_BYTES // (4 * max(1, w.cols)) // 16 * 16)
-    scratch = None if w.fmt == "f32" else torch.empty(min(step, w.rows), w.cols, dtype=_F32)
-    desc = None if _cpu is None else _desc(w)  # checked once, not per slice
-    n = get_num_threads()
-    old = torch.get_num_threads()
-    if old != n:
-        torch.set_num_threads(n)
-    try:
-        for r0 in range(0, w.rows, step):
-            r1 = min(w.rows, r0 + step)
-            if scratch is None:
-                s = w.qs[r0:r1]
-            elif desc is None:
-                s = dequantize_rows(w, r0, r1, scratch[: r1 - r0])
-            else:
-                s = scratch[: r1 - r0]
-                _cpu.dequantize_rows(desc, r0, r1, s.data_ptr())
-            torch.mm(s, xt, out=yt[r0:r1])
-    finally:
-        if old != n:
-            torch.set_num_threads(old)
-    return yt.t().contiguous()
+    return _gemm_on_slices(w, x, _F32)
 
 
 def matmul_bf16(w: QWeight, x: torch.Tensor) -> torch.Tensor:
@@ -369,14 +343,21 @@ def matmul_bf16(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     hardware (`bf16_gemm_native`), where it outruns the integer kernels of some formats; its
     rounding (8 significant bits of each weight and activation) is finer than the int8
     activations' of those kernels.  Reference: `reference.matmul_bf16`."""
+    return _gemm_on_slices(w, x, torch.bfloat16)
+
+
+def _gemm_on_slices(w: QWeight, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """matmul_f32 (dtype float32) and matmul_bf16 (bfloat16): slices of rows dequantized to
+    float32 (rounded to bfloat16 after), each multiplied by X in torch's GEMM of that dtype."""
     if not isinstance(x, torch.Tensor) or x.dtype != _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != w.cols:
         raise ValueError(f"X must be a float32 CPU tensor of shape (M, {w.cols})")
     m = x.shape[0]
-    xt = x.t().to(torch.bfloat16)
+    xt = x.t() if dtype == _F32 else x.t().to(dtype)
     yt = torch.empty(w.rows, m, dtype=_F32)
     step = max(16, _SLICE_BYTES // (4 * max(1, w.cols)) // 16 * 16)
-    s32 = torch.empty(min(step, w.rows), w.cols, dtype=_F32)
-    s16 = torch.empty(min(step, w.rows), w.cols, dtype=torch.bfloat16)
+    plain = w.fmt == "f32" and dtype == _F32  # the weight's own rows are the slices
+    s32 = None if plain else torch.empty(min(step, w.rows), w.cols, dtype=_F32)
+    low = None if dtype == _F32 else torch.empty(min(step, w.rows), w.cols, dtype=dtype)
     desc = None if _cpu is None else _desc(w)  # checked once, not per slice
     n = get_num_threads()
     old = torch.get_num_threads()
@@ -385,12 +366,18 @@ def matmul_bf16(w: QWeight, x: torch.Tensor) -> torch.Tensor:
     try:
         for r0 in range(0, w.rows, step):
             r1 = min(w.rows, r0 + step)
-            if desc is None:
-                dequantize_rows(w, r0, r1, s32[: r1 - r0])
+            if plain:
+                s = w.qs[r0:r1]
+            elif desc is None:
+                s = dequantize_rows(w, r0, r1, s32[: r1 - r0])
             else:
-                _cpu.dequantize_rows(desc, r0, r1, s32.data_ptr())
-            s16[: r1 - r0].copy_(s32[: r1 - r0])
-            yt[r0:r1].copy_(torch.mm(s16[: r1 - r0], xt))
+                s = s32[: r1 - r0]
+                _cpu.dequantize_rows(desc, r0, r1, s.data_ptr())
+            if low is None:
+                torch.mm(s, xt, out=yt[r0:r1])
+            else:
+                low[: r1 - r0].copy_(s)
+                yt[r0:r1].copy_(torch.mm(low[: r1 - r0], xt))
     finally:
         if old != n:
             torch.set_num_threads(old)
