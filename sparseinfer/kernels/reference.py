@@ -77,7 +77,7 @@ def matmul(w: QWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_bf16(w: QWeight, x: torch.Tensor) -> torch.Tensor:
-    """Y[M, N] = X W^T with X and W rounded to bfloat16, sums in float32, Y rounded to bfloat16."""
+    """Y[M, N] = X W^T with X and W rounded to bfloat16, summed in float64, Y rounded to bfloat16."""
     xb, wb = x.float().bfloat16().double(), w.dequantize().bfloat16().double()
     return (xb @ wb.T).float().bfloat16().float()
 
