@@ -662,7 +662,7 @@ def test_rms_norm_matches_reference(shape):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", [(1, 1), (37, 70), (300, 33), (64, 96)])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 70), (300, 33), (64, 96), (3, 100), (5, 200), (9, 1536)])
 def test_dequantize_rows_equals_reference(fmt, shape):
     w = make_weight(fmt, *shape)
     want = w.dequantize()
