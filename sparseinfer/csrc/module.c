@@ -306,6 +306,8 @@ static PyObject *py_set_act_mode(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_cpu_bf16(PyObject *self, PyObject *unused) { return PyBool_FromLong(si_cpu_bf16()); }
+
 static PyObject *py_supported_levels(PyObject *self, PyObject *unused) {
     PyObject *l = PyList_New(0);
     if (!l) return NULL;
@@ -681,6 +683,7 @@ static PyMethodDef methods[] = {
     {"act_mode", py_act_mode, METH_NOARGS, "act_mode(): 0 one int8 term per block of 32 (default), 1 two terms"},
     {"set_act_mode", py_set_act_mode, METH_O, "set_act_mode(mode): see act_mode"},
     {"supported_levels", py_supported_levels, METH_NOARGS, "supported_levels()"},
+    {"cpu_bf16", py_cpu_bf16, METH_NOARGS, "cpu_bf16(): the CPU multiplies bfloat16 in hardware"},
     {NULL, NULL, 0, NULL},
 };
 

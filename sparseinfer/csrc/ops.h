@@ -9,6 +9,7 @@ int si_act_mode(void);                        /* ACT_INT8 (default) / ACT_PRECIS
 void si_set_act_mode(int mode);
 int si_select(const char *name);              /* 0 ok, -1 unknown name, -2 not supported here */
 int si_level_supported(const char *name);     /* 1 / 0 */
+int si_cpu_bf16(void);                         /* 1: bfloat16 products in hardware (runtime.c) */
 extern const char *const si_level_names[];    /* best first, NULL-terminated */
 
 int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs, const void *d, const void *m,

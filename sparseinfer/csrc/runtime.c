@@ -73,6 +73,22 @@ int si_level_supported(const char *name) {
     return !strcmp(name, "scalar");
 }
 
+/* The CPU multiplies bfloat16 in hardware (AVX512_BF16, or AMX-BF16) with AVX-512 usable: where
+ * torch's bfloat16 GEMM runs at hardware speed (sparseinfer/kernels/__init__.py's prompt route). */
+int si_cpu_bf16(void) {
+#if SI_X86
+    if (!si_level_supported("avx512")) return 0; /* leaf 7 exists and the OS saves the zmm state */
+    unsigned a, b, c, d;
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const int amx_bf16 = (d >> 22) & 1;
+    if (a < 1) return amx_bf16; /* no sub-leaf 1 */
+    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+    return ((a >> 5) & 1) || amx_bf16;
+#else
+    return 0;
+#endif
+}
+
 static const kernels_t *KERN;
 
 const kernels_t *si_kern(void) {

@@ -384,22 +384,11 @@ def _gemm_on_slices(w: QWeight, x: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return yt.t().contiguous()
 
 
-_BF16_NATIVE: bool | None = None
-
-
 def bf16_gemm_native() -> bool:
-    """True on CPUs whose vector or tile unit multiplies bfloat16 (AVX512_BF16 or AMX-BF16, read
-    from /proc/cpuinfo), where torch's bfloat16 GEMM runs at hardware speed; elsewhere it is
-    emulated and slow."""
-    global _BF16_NATIVE
-    if _BF16_NATIVE is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-        except OSError:
-            flags = []
-        _BF16_NATIVE = "avx512_bf16" in flags or "amx_bf16" in flags
-    return _BF16_NATIVE
+    """True on CPUs whose vector or tile unit multiplies bfloat16 (AVX512_BF16 or AMX-BF16; the
+    compiled core's CPU detection), where torch's bfloat16 GEMM runs at hardware speed;
+    elsewhere it is emulated and slow."""
+    return _cpu is not None and bool(_cpu.cpu_bf16())
 
 
 def act(x: torch.Tensor, name: str) -> torch.Tensor:
