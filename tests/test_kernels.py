@@ -704,6 +704,18 @@ def test_matmul_bf16_matches_its_reference(fmt, m, monkeypatch):
     assert torch.equal(cpu.matmul_bf16(w, x), y)
 
 
+def test_bf16_detection_agrees_with_the_kernel_of_the_os():
+    """The compiled core's bfloat16 detection (cpuid) against the flags Linux lists."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None or not cpu.available():
+        pytest.skip("no x86 /proc/cpuinfo flags here")
+    assert cpu.bf16_gemm_native() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
 def test_prefill_route_takes_bf16_gemm_only_where_it_pays(monkeypatch):
     """kernels.matmul sends long prompts of q4k (and q6) weights to the bfloat16 GEMM on CPUs
     that multiply bfloat16 natively, in the int8 activation mode, off the tile levels; never q4,
