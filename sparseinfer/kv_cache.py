@@ -157,11 +157,19 @@ class LayerKV:
 
 
 class KVCache:
-    """The whole model's cache: one `LayerKV` per layer, plus the shared position counter."""
+    """The whole model's cache: one `LayerKV` per layer, plus the shared position counter and,
+    for a cache of one sequence, the ids of the tokens it holds (`tokens`, in order)."""
 
     def __init__(self, n_layers: int, max_len: int, cache_type: str = DEFAULT_CACHE_TYPE, device="cpu"):
         self.layers = [LayerKV(max_len, cache_type, device) for _ in range(n_layers)]
         self.max_len, self.cache_type = max_len, cache_type
+        self.tokens: list[int] = []
+
+    def record(self, ids) -> None:
+        """Note the ids of tokens about to be cached: a (1, T) tensor, one sequence's, is kept
+        in `tokens`; a batch of several sequences in one cache is not (their ids would mix)."""
+        if ids.shape[0] == 1:
+            self.tokens.extend(ids[0].tolist())
 
     def __getitem__(self, i: int) -> LayerKV:
         return self.layers[i]
@@ -180,6 +188,7 @@ class KVCache:
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
+        del self.tokens[max(0, length):]
 
     @property
     def nbytes(self) -> int:

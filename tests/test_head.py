@@ -44,6 +44,41 @@ def test_select_keeps_the_top_and_about_k():
     assert sh.select(torch.zeros(50000), 1024)[0] is None
 
 
+def test_select_adds_the_context():
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(50000, generator=g)
+    base, sure = sh.select(p, 1024)
+    low = torch.topk(-p, 3).indices.tolist()                 # the three lowest previews
+    ids, sure2 = sh.select(p, 1024, low + [low[0], -1, 50000])  # repeated and out-of-range ids are ignored
+    assert sure2 == sure and torch.equal(ids, ids.sort().values)
+    assert set(ids.tolist()) == set(base.tolist()) | set(low)
+    # only the last CONTEXT_WINDOW tokens count
+    old = low[:1] + [int(base[0])] * sh.CONTEXT_WINDOW
+    assert set(sh.select(p, 1024, old)[0].tolist()) == set(base.tolist())
+
+
+def test_a_context_token_the_preview_misses_is_scored_exactly():
+    """A token whose preview is hopeless (its row of A very negative) but whose exact logit is the
+    largest: without the context the greedy token is wrong; with the token in the context it is
+    a candidate, so the greedy token and its logit are the exact head's."""
+    vocab, d = 4096, 64
+    exact = _head(vocab, d)
+    hid = _hidden(500, d)
+    hp = sh.preview(sh.fit(exact.weight, hid), 32, 256)
+    for h in hid[:50]:
+        want = int(exact(h[None])[0].argmax())
+        a = hp.a.clone()
+        a[want] = -100.0 * a.abs().max()
+        ph = sh.PreviewHead(exact, sh.HeadPreview(a, hp.b, hp.candidates))
+        if int(ph.row(h).argmax()) != want and ph.fallbacks == 0:
+            break
+    else:
+        pytest.fail("no row where the hopeless preview misses the exact top token")
+    out = ph.row(h, [7, want, 11])
+    assert int(out.argmax()) == want and ph.fallbacks == 0
+    torch.testing.assert_close(out[want], exact(h[None])[0][want], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", ["q8", "q6", "q4"])
 def test_candidates_get_the_exact_heads_logits(fmt):
     vocab, d = 8192, 128
@@ -122,6 +157,12 @@ def test_choose_picks_the_smallest_rank_that_agrees():
     assert [t["rank"] for t in tried] in ([32], [32, 64])
     assert hp is not None and hp.rank == tried[-1]["rank"] and hp.stats["agreement"] >= 0.999
     assert all(t["agreement"] < 0.999 for t in tried[:-1])
+    # with the rows' tokens (12 sequences of 100): held out whole sequences, each row with its context
+    ids = torch.randint(0, vocab, (12, 100), generator=torch.Generator().manual_seed(3))
+    hp2, tried2 = sh.choose(M(), _hidden(1200, d), target=0.999, progress=False, tokens=ids)
+    assert tried2[0]["tokens"] == 300 and hp2 is not None
+    with pytest.raises(ValueError, match="not whole sequences"):
+        sh.choose(M(), _hidden(1150, d), progress=False, tokens=ids)
 
 
 def test_a_models_decode_with_the_preview(tmp_path):

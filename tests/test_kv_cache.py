@@ -180,6 +180,24 @@ def test_truncate_and_reuse(tiny, tokens, cache_type):
     assert torch.equal(got, fresh[:, 10:])  # `run` returns every position
 
 
+def test_the_cache_records_its_tokens(tiny):
+    """A cache of one sequence holds its token ids in order (the head preview reads them): a
+    prompt, one-token steps, a batched step, a truncation; a cache of several rows keeps none."""
+    cache = tiny.new_cache(32)
+    with torch.inference_mode():
+        tiny(torch.tensor([[5, 6, 7]]), cache, last_only=True)
+        tiny(torch.tensor([[8]]), cache)
+        other = tiny.new_cache(32)
+        tiny.decode_batch([9, 3], [cache, other])
+        assert cache.tokens == [5, 6, 7, 8, 9] and other.tokens == [3] and cache.length == 5
+        cache.truncate(2)
+        tiny(torch.tensor([[4]]), cache)
+        assert cache.tokens == [5, 6, 4] and cache.length == 3
+        two = tiny.new_cache(8)
+        tiny(torch.tensor([[1, 2], [3, 4]]), two)
+        assert two.tokens == [] and two.length == 2
+
+
 def test_unknown_cache_type_is_a_clear_error(tiny):
     with pytest.raises(SparseInferError, match="unknown KV cache type 'q4'; use one of f32, f16, q8_0"):
         KVCache(2, 8, "q4")

@@ -127,12 +127,13 @@ class HybridCausalLM(CausalLM):
             tokens = tokens[None]
         T = tokens.shape[1]
         cache.check_room(T)
+        cache.record(tokens)
         outs = []
         for s in range(0, T, self.chunk):
             x = self._blocks(tokens[:, s: s + self.chunk], cache)
             if last_only and s + self.chunk < T:
                 continue
-            outs.append(self._head(x[:, -1:] if last_only else x))
+            outs.append(self._head(x[:, -1:] if last_only else x, cache))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _blocks(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -150,10 +151,10 @@ class HybridCausalLM(CausalLM):
     def layer_device(self, i: int) -> torch.device:
         return self.homes[i]
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
+    def _head(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits on the CPU; on the device `HEAD_PIECE` tokens at a time (vocab-wide rows)."""
         if self.head_device.type == "cpu":
-            return self.head(self.norm(x.to(CPU)))
+            return self._logits(self.norm(x.to(CPU)), cache)
         pieces = [self.head(self.norm(x[:, s: s + HEAD_PIECE].to(self.head_device))).to(CPU)
                   for s in range(0, x.shape[1], HEAD_PIECE)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)

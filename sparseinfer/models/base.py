@@ -73,6 +73,7 @@ class CausalLM(Module):
             tokens = tokens[None]
         T = tokens.shape[1]
         cache.check_room(T)
+        cache.record(tokens)
         positions = torch.arange(cache.length, cache.length + T, device=self.device)
         x = self.embed(tokens)
         if self.pos_embed is not None:
@@ -84,7 +85,14 @@ class CausalLM(Module):
                 x = layer(x, positions, cache[i])
         if last_only:
             x = x[:, -1:]
-        return self.head(self.norm(x))
+        return self._logits(self.norm(x), cache)
+
+    def _logits(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The head's logits of x; a head that reads the sequence's tokens (`takes_context`,
+        the head preview of `sparse.head`) also gets the ids the cache holds."""
+        if getattr(self.head, "takes_context", False):
+            return self.head(x, cache.tokens)
+        return self.head(x)
 
     def decode_batch(self, tokens: list[int], caches: list[KVCache]) -> torch.Tensor:
         """One decode step of B sequences at once: token b appended to `caches[b]` (each its own
@@ -104,8 +112,11 @@ class CausalLM(Module):
             x = x + self.pos_embed(positions.to(self.device))
         if len({id(c) for c in caches}) != B:
             raise ValueError("decode_batch needs a different cache for every row")
+        for c, t in zip(caches, tokens):
+            c.tokens.append(int(t))
         x = self.decode_layers(x, positions, caches)
-        return self.head(self.norm(x))[:, 0]
+        x = self.norm(x)
+        return (self._logits(x, caches[0]) if B == 1 else self.head(x))[:, 0]
 
     def decode_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | list[KVCache]) -> torch.Tensor:
         """One token of one sequence, x (1, 1, n), through every layer; or one token of each of

@@ -12,11 +12,15 @@ token far more often, since a few directions of h carry most of its energy).  A 
 and read by the ordinary gemv kernel.
 
 Per token: z = B h; p = A z (the preview); the candidates are the tokens whose preview is at
-least the estimated k-th largest (found on a strided sample of p, so no full sort); the exact
-logits of the candidates come from the head's own rows (`gemv_rows`).  Uncertain tokens, where
-the best exact candidate ranks low in the preview (below its estimated k/4-th value) or the
-estimate found far too many or too few candidates, get the full exact head.  Non-candidates get
--inf: sampling and greedy decoding see exact logits for the candidates and nothing else.
+least the estimated k-th largest (found on a strided sample of p, so no full sort), and the
+tokens of the sequence so far (its last `CONTEXT_WINDOW`, which the model's KV cache records):
+a low-rank preview misses mostly tokens particular to one text (a list's `"\n`, a name in
+code), and those tend to repeat within the text.  The exact logits of the candidates come
+from the head's own rows (`gemv_rows`).  Uncertain tokens, where the best exact candidate is
+not one of the context's and ranks low in the preview (below its estimated k/4-th value), or
+where the estimate found far too many or too few candidates, get the full exact head.
+Non-candidates get -inf: sampling and greedy decoding see exact logits for the candidates and
+nothing else.
 
 `fit` computes the basis once; `preview` cuts it at a rank; `agreement` measures, on held-out
 inputs, how often the module's greedy token equals the exact head's.
@@ -34,6 +38,7 @@ from ..quant import from_float
 SAMPLE_STRIDE = 16      # the k-th largest preview value is estimated on every 16th logit
 MAX_ROWS = 1            # more rows at once (batched decode) read the exact head once for all
 RANK_STEP = 32          # ranks are multiples of the q8 block
+CONTEXT_WINDOW = 1024   # the sequence's last tokens that are always candidates
 
 
 @dataclass
@@ -99,24 +104,32 @@ def preview(basis: Basis, rank: int, candidates: int) -> HeadPreview:
     return HeadPreview(basis.wlv[:, :rank].contiguous(), basis.vtl[:rank].contiguous(), candidates)
 
 
-def select(p: torch.Tensor, k: int) -> tuple[torch.Tensor | None, float]:
-    """(ids of the tokens whose preview is at least the estimated k-th largest, ascending; the
-    estimated (k/4)-th largest value), or (None, _) when the estimate is off by over 4x."""
+def select(p: torch.Tensor, k: int, context=None) -> tuple[torch.Tensor | None, float]:
+    """(ids of the tokens whose preview is at least the estimated k-th largest and of the
+    tokens in `context` (ids; the last `CONTEXT_WINDOW` count), ascending; the estimated
+    (k/4)-th largest value), or (None, _) when the estimate is off by over 4x."""
     s = p[::SAMPLE_STRIDE]
     ks = max(4, k // SAMPLE_STRIDE)
     if ks >= s.numel():
         return torch.arange(p.numel()), float("-inf")
     top = torch.topk(s, ks).values                           # sorted, largest first
-    ids = torch.nonzero(p >= top[-1]).view(-1)
-    if not k // 4 <= ids.numel() <= 4 * k:
+    keep = p >= top[-1]
+    n = int(keep.sum())
+    if not k // 4 <= n <= 4 * k:
         return None, 0.0
-    return ids, float(top[ks // 4 - 1])
+    if context is not None and len(context):
+        ctx = torch.as_tensor(context[-CONTEXT_WINDOW:], dtype=torch.long)
+        keep[ctx[(ctx >= 0) & (ctx < p.numel())]] = True
+    return torch.nonzero(keep).view(-1), float(top[ks // 4 - 1])
 
 
 class PreviewHead(nn.Module):
     """A drop-in for the model's head `exact` (a `Linear`): one row at a time on the CPU goes
     through the preview (module docstring); anything else (prompts, perplexity, batched rows,
-    an accelerator) through `exact`.  `tokens` and `fallbacks` count the rows of each kind."""
+    an accelerator) through `exact`.  `tokens` and `fallbacks` count the rows of each kind.
+    The model passes the ids its cache holds as `context` (`takes_context`)."""
+
+    takes_context = True
 
     def __init__(self, exact: nn.Module, hp: HeadPreview):
         super().__init__()
@@ -139,25 +152,26 @@ class PreviewHead(nn.Module):
         """Bytes of the preview as decode reads it (A in q8, B in f32)."""
         return self.a.nbytes + self.b.numel() * 4
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] > MAX_ROWS or x.device.type != "cpu" or self.exact.weight.qs.device.type != "cpu":
             return self.exact(x)
-        return torch.stack([self.row(r) for r in flat.float()]).view(*lead, -1)
+        return torch.stack([self.row(r, context) for r in flat.float()]).view(*lead, -1)
 
-    def row(self, h: torch.Tensor) -> torch.Tensor:
+    def row(self, h: torch.Tensor, context=None) -> torch.Tensor:
         """The logits of one input row: exact for the candidates, -inf elsewhere (or the exact
-        head's, when uncertain)."""
+        head's, when uncertain).  `context`: the ids of the sequence's tokens so far."""
         self.tokens += 1
         h = h.contiguous()
         p = cpu.gemv(self.a, self.b @ h)
-        ids, sure = select(p, self.k)
+        ids, sure = select(p, self.k, context)
         if ids is not None:
             ex = cpu.gemv_rows(self.exact.weight, h, ids)
             if self.exact.bias is not None:
                 ex += self.exact.bias[ids]
-            if float(p[ids[int(ex.argmax())]]) >= sure:
+            best = int(ids[int(ex.argmax())])
+            if float(p[best]) >= sure or (context is not None and best in context[-CONTEXT_WINDOW:]):
                 out = torch.full((p.numel(),), float("-inf"))
                 out[ids] = ex
                 return out
@@ -184,14 +198,20 @@ def exact_tokens(exact: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return torch.tensor([int(exact(h[None].float())[0].argmax()) for h in hidden])
 
 
-def agreement(head: PreviewHead, hidden: torch.Tensor, want: torch.Tensor | None = None) -> dict:
+def agreement(head: PreviewHead, hidden: torch.Tensor, want: torch.Tensor | None = None,
+              tokens: torch.Tensor | None = None) -> dict:
     """Over the rows of `hidden` (held-out final-norm outputs): the fraction whose greedy token
     through `head` equals the exact head's (`want`, default `exact_tokens`), and the fraction
-    that fell back to the exact head."""
+    that fell back to the exact head.  `tokens` (S, T): the input ids the rows came from, S
+    sequences of T in order, which the head gets as each row's context."""
     want = exact_tokens(head.exact, hidden) if want is None else want
+    if tokens is not None and tokens.numel() != hidden.shape[0]:
+        raise ValueError(f"{hidden.shape[0]} hidden rows but {tokens.numel()} tokens")
     t0, f0 = head.tokens, head.fallbacks
+    T = tokens.shape[1] if tokens is not None else 0
     with torch.inference_mode():
-        got = torch.tensor([int(head.row(h.float()).argmax()) for h in hidden])
+        got = torch.tensor([int(head.row(h.float(), None if tokens is None else tokens[i // T, : i % T + 1]).argmax())
+                            for i, h in enumerate(hidden)])
     n = hidden.shape[0]
     fell = head.fallbacks - f0
     head.tokens, head.fallbacks = t0, f0
@@ -225,15 +245,23 @@ class HiddenRecorder:
 
 
 def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9995, held_out: float = 0.25,
-           progress: bool = True) -> tuple[HeadPreview | None, list[dict]]:
+           progress: bool = True, tokens: torch.Tensor | None = None) -> tuple[HeadPreview | None, list[dict]]:
     """Fit the preview on the first rows of `hidden` and measure it on the last `held_out` share
     (whole calibration sequences: the rows come sequence by sequence); the smallest rank of
     `RANK_FRACTIONS` whose greedy agreement with the exact head is at least `target`, or None.
+    `tokens` (S, T): the calibration sequences the rows came from (the first rows' worth are
+    used), so that held-out rows are scored with their context as decode would.
     Returns it (its stats filled) and every rank tried."""
     exact = model.head.exact if isinstance(model.head, PreviewHead) else model.head
     w = exact.weight
     n = hidden.shape[0]
     cut = n - max(1, int(n * held_out))
+    if tokens is not None:
+        T = tokens.shape[1]
+        if n % T or n // T > tokens.shape[0]:
+            raise ValueError(f"{n} hidden rows are not whole sequences of the {tuple(tokens.shape)} tokens")
+        cut = cut // T * T
+        tokens = tokens[cut // T: n // T]
     if cut < 2:
         return None, []
     basis = fit(w, hidden[:cut])
@@ -247,7 +275,7 @@ def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9995, held_
         hp = preview(basis, rank, k)
         ph = PreviewHead(exact, hp)
         st = {"rank": hp.rank, "candidates": k, "preview_bytes": ph.preview_bytes, "head_bytes": w.nbytes,
-              **agreement(ph, hidden[cut:], want)}
+              **agreement(ph, hidden[cut:], want, tokens)}
         tried.append(st)
         if progress:
             print(f"head preview rank {hp.rank}: greedy agreement {st['agreement']:.4f}, exact head for "

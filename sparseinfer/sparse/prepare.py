@@ -169,7 +169,8 @@ def build_pack(model, src, cs: cal.CalibrationSet, opts: PrepareOptions, name: s
                "n_neurons": ffns[0].n_neurons, "weight_bytes": qweight_nbytes(model)},
         activation_source=source, layers=layers, calibration=cs.description, info=info)
     if hidden is not None and hidden.shape[0]:
-        pack.head, tried = choose_head(model, hidden, opts.head_agreement, progress=opts.progress)
+        pack.head, tried = choose_head(model, hidden, opts.head_agreement, progress=opts.progress,
+                                      tokens=cs.seqs if hidden.shape[0] % cs.seqs.shape[1] == 0 else None)
         pack.info["head_search"] = tried
     if opts.evaluate:
         pack.info["eval"] = evaluate_pack(model, pack, cs.eval, opts.progress)
