@@ -79,12 +79,12 @@ def test_a_context_token_the_preview_misses_is_scored_exactly():
     torch.testing.assert_close(out[want], exact(h[None])[0][want], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q6", "q4"])
-def test_candidates_get_the_exact_heads_logits(fmt):
+@pytest.mark.parametrize("fmt,preview_fmt", [("q8", "q8"), ("q6", "q8"), ("q4", "q8"), ("q6", "q4")])
+def test_candidates_get_the_exact_heads_logits(fmt, preview_fmt):
     vocab, d = 8192, 128
     exact = _head(vocab, d, fmt)
     hid = _hidden(600, d)
-    hp = sh.preview(sh.fit(exact.weight, hid[:500]), 64, 512)
+    hp = sh.preview(sh.fit(exact.weight, hid[:500]), 64, 512, preview_fmt)
     ph = sh.PreviewHead(exact, hp)
     for h in hid[500:520]:
         out = ph(h[None, None])[0, 0]
@@ -145,7 +145,7 @@ def test_many_rows_and_shapes():
         sh.fit(exact.weight, hid[:, :10])
 
 
-def test_choose_picks_the_smallest_rank_that_agrees():
+def test_choose_keeps_the_fastest_preview_that_agrees():
     vocab, d = 4096, 256
     exact = _head(vocab, d, rank=40)
 
@@ -153,10 +153,12 @@ def test_choose_picks_the_smallest_rank_that_agrees():
         head = exact
 
     hp, tried = sh.choose(M(), _hidden(1200, d), target=0.999, progress=False)
-    # ranks tried from d/8 up (multiples of 32: 32, 64, 96); a rank at or above the head's (40) agrees
-    assert [t["rank"] for t in tried] in ([32], [32, 64])
-    assert hp is not None and hp.rank == tried[-1]["rank"] and hp.stats["agreement"] >= 0.999
-    assert all(t["agreement"] < 0.999 for t in tried[:-1])
+    # ranks d/8 .. d/2 in multiples of 32 (32, 64, 96, 128), each in q8 and q4, tried by their measured time
+    assert {(t["rank"], t["format"]) for t in tried} <= {(r, f) for r in (32, 64, 96, 128) for f in ("q8", "q4")}
+    assert [t["preview_ms"] for t in tried] == sorted(t["preview_ms"] for t in tried)
+    assert hp is not None and (hp.rank, hp.fmt) == (tried[-1]["rank"], tried[-1]["format"])
+    assert hp.stats["agreement"] >= 0.999 and hp.stats["fallback"] <= sh.MAX_FALLBACK
+    assert all(t["agreement"] < 0.999 or t["fallback"] > sh.MAX_FALLBACK for t in tried[:-1])
     # with the rows' tokens (12 sequences of 100): held out whole sequences, each row with its context
     ids = torch.randint(0, vocab, (12, 100), generator=torch.Generator().manual_seed(3))
     hp2, tried2 = sh.choose(M(), _hidden(1200, d), target=0.999, progress=False, tokens=ids)

@@ -112,6 +112,23 @@ def test_the_real_pack_is_accepted(tiny):
     assert pack.layers[0].order.dtype == torch.long
 
 
+@pytest.mark.parametrize("fmt", ["q4", None])
+def test_the_head_previews_format_is_kept(tiny, tmp_path, fmt):
+    """The format decode holds the preview's A in comes from the pack (q8 when a pack names none)."""
+    meta = tiny.meta()
+    assert meta["head"]["format"] in ("q8", "q4")
+    if fmt is None:
+        del meta["head"]["format"]
+    else:
+        meta["head"]["format"] = fmt
+    pack = tiny.apply(write(tmp_path / "fmt.sparse", meta, dict(tiny.tensors)))
+    try:
+        assert pack.head.fmt == (fmt or "q8") and tiny.model.head.a.fmt == (fmt or "q8")
+        assert "format" in pack.metadata()["head"]
+    finally:
+        tiny.reset()
+
+
 # ---------------------------------------------------------------------------- the file itself
 def test_unreadable_files(tiny, tmp_path):
     raw = tiny.good.read_bytes()
@@ -359,6 +376,8 @@ def test_bad_tensors(tiny, tmp_path, case, match):
     ("head_candidates", "head metadata is not an object with a positive integer .candidates."),
     ("head_meta", "head metadata is not an object"),
     ("head_tensors_without_meta", "tensors no layer uses .*head.a"),
+    ("head_format", "its head preview is held in 'q5'; expected one of q8, q4"),
+    ("head_rank_40", "the head preview has rank 40; expected a multiple of 32"),
 ])
 def test_bad_head_preview(tiny, tmp_path, case, match):
     """The output head's preview (`sparse.head`): refused with one line, the model unchanged
@@ -374,6 +393,8 @@ def test_bad_head_preview(tiny, tmp_path, case, match):
         meta["head"]["candidates"] = 50
     elif case == "head_tensors_without_meta":
         del meta["head"]
+    elif case == "head_format":
+        meta["head"]["format"] = "q5"
     tensors = {
         "head_missing_b": lambda: _with(tiny, head__b=None),
         "head_b_width": lambda: _with(tiny, head__b=torch.zeros(b.shape[0], b.shape[1] + 1)),
@@ -381,6 +402,7 @@ def test_bad_head_preview(tiny, tmp_path, case, match):
         "head_int": lambda: _with(tiny, head__a=torch.zeros(a.shape, dtype=torch.int32)),
         "head_nan": lambda: _with(tiny, head__b=b.clone().fill_(math.nan)),
         "head_vocab": lambda: _with(tiny, head__a=a[:100].clone()),
+        "head_rank_40": lambda: _with(tiny, head__a=torch.zeros(a.shape[0], 40), head__b=torch.zeros(40, b.shape[1])),
     }.get(case, lambda: dict(t0))()
     refused(tiny, write(tmp_path / f"{case}.sparse", meta, tensors), match)
     assert not isinstance(tiny.model.head, PreviewHead)

@@ -41,15 +41,20 @@ RANK_STEP = 32          # ranks are multiples of the q8 block
 CONTEXT_WINDOW = 1024   # the sequence's last tokens that are always candidates
 
 
+PREVIEW_FORMATS = ("q8", "q4")   # what A is held in for decode
+
+
 @dataclass
 class HeadPreview:
-    """A (vocab x rank) and B (rank x d) of the preview, the candidate count k, and how it was
-    measured (stats: rank, held-out agreement, fallback fraction, tokens)."""
+    """A (vocab x rank) and B (rank x d) of the preview, the candidate count k, how it was
+    measured (stats: rank, held-out agreement, fallback fraction, tokens), and the format A is
+    held in for decode (`PREVIEW_FORMATS`)."""
 
     a: torch.Tensor
     b: torch.Tensor
     candidates: int
     stats: dict = field(default_factory=dict)
+    fmt: str = "q8"
 
     @property
     def rank(self) -> int:
@@ -99,9 +104,9 @@ def fit(head_w, hidden: torch.Tensor, chunk: int = 8192) -> Basis:
     return Basis(wlv, (v.T @ lo_inv).float())
 
 
-def preview(basis: Basis, rank: int, candidates: int) -> HeadPreview:
+def preview(basis: Basis, rank: int, candidates: int, fmt: str = "q8") -> HeadPreview:
     rank = min(basis.vtl.shape[0], max(RANK_STEP, rank // RANK_STEP * RANK_STEP))
-    return HeadPreview(basis.wlv[:, :rank].contiguous(), basis.vtl[:rank].contiguous(), candidates)
+    return HeadPreview(basis.wlv[:, :rank].contiguous(), basis.vtl[:rank].contiguous(), candidates, fmt=fmt)
 
 
 def select(p: torch.Tensor, k: int, context=None) -> tuple[torch.Tensor | None, float]:
@@ -138,7 +143,10 @@ class PreviewHead(nn.Module):
             raise ValueError(f"head preview of shape A {tuple(hp.a.shape)}, B {tuple(hp.b.shape)} does not fit a "
                              f"{w.rows} x {w.cols} head")
         self.exact, self.hp = exact, hp
-        self.a = from_float(hp.a.float(), "q8")
+        if hp.fmt not in PREVIEW_FORMATS or hp.a.shape[1] % RANK_STEP:
+            raise ValueError(f"head preview of rank {hp.a.shape[1]} in {hp.fmt!r}: expected a multiple of "
+                             f"{RANK_STEP} in one of {', '.join(PREVIEW_FORMATS)}")
+        self.a = from_float(hp.a.float(), hp.fmt)
         self.b = hp.b.float().contiguous()
         self.k = hp.candidates
         self.tokens = self.fallbacks = 0
@@ -149,7 +157,7 @@ class PreviewHead(nn.Module):
 
     @property
     def preview_bytes(self) -> int:
-        """Bytes of the preview as decode reads it (A in q8, B in f32)."""
+        """Bytes of the preview as decode reads it (A in its format, B in f32)."""
         return self.a.nbytes + self.b.numel() * 4
 
     def forward(self, x: torch.Tensor, context=None) -> torch.Tensor:
@@ -218,7 +226,25 @@ def agreement(head: PreviewHead, hidden: torch.Tensor, want: torch.Tensor | None
     return {"agreement": int((got == want).sum()) / n, "fallback": fell / n, "tokens": n}
 
 
-RANK_FRACTIONS = (8, 6, 4, 3)   # ranks tried, as fractions of d (rounded up to RANK_STEP)
+RANK_FRACTIONS = (8, 6, 5, 4, 3, 2)   # ranks tried, as fractions of d (rounded up to RANK_STEP)
+MAX_FALLBACK = 0.005                  # a preview that needs the exact head more often is not kept
+
+
+def preview_seconds(hp: HeadPreview, reps: int = 15) -> float:
+    """The median time of the preview's product A z here, with A coming from memory as in
+    decode (where the whole model passes through the caches between two tokens)."""
+    import time
+
+    a = from_float(hp.a.float(), hp.fmt)
+    z = torch.randn(hp.rank)
+    evict = torch.ones(16 << 20)             # 64 MB, more than the last-level caches we meet
+    ts = []
+    for _ in range(reps):
+        evict.add_(1.0)
+        t = time.perf_counter()
+        cpu.gemv(a, z)
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[reps // 2]
 
 
 class HiddenRecorder:
@@ -244,14 +270,17 @@ class HiddenRecorder:
         return torch.cat(self.rows) if self.rows else torch.zeros(0)
 
 
-def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9995, held_out: float = 0.25,
+def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9999, held_out: float = 0.25,
            progress: bool = True, tokens: torch.Tensor | None = None) -> tuple[HeadPreview | None, list[dict]]:
     """Fit the preview on the first rows of `hidden` and measure it on the last `held_out` share
-    (whole calibration sequences: the rows come sequence by sequence); the smallest rank of
-    `RANK_FRACTIONS` whose greedy agreement with the exact head is at least `target`, or None.
-    `tokens` (S, T): the calibration sequences the rows came from (the first rows' worth are
-    used), so that held-out rows are scored with their context as decode would.
-    Returns it (its stats filled) and every rank tried."""
+    (whole calibration sequences: the rows come sequence by sequence).  The ranks of
+    `RANK_FRACTIONS` in each of `PREVIEW_FORMATS` are tried from the fastest product here
+    (`preview_seconds`: a narrow q4 product can be slower than a wider q8 one) to the slowest;
+    the first whose greedy agreement with the exact head is at least `target` and that falls
+    back to the exact head on at most `MAX_FALLBACK` of the rows is kept, else None.  `tokens`
+    (S, T): the calibration sequences the rows came from (the first rows' worth are used), so
+    that held-out rows are scored with their context as decode would.
+    Returns it (its stats filled) and every preview tried."""
     exact = model.head.exact if isinstance(model.head, PreviewHead) else model.head
     w = exact.weight
     n = hidden.shape[0]
@@ -267,20 +296,20 @@ def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9995, held_
     basis = fit(w, hidden[:cut])
     k = candidate_count(w.rows)
     want = exact_tokens(exact, hidden[cut:])
-    tried = []
     ranks = sorted({-(-w.cols // frac // RANK_STEP) * RANK_STEP for frac in RANK_FRACTIONS})
-    for rank in ranks:
-        if rank >= w.cols:
-            break
-        hp = preview(basis, rank, k)
+    tries = [preview(basis, r, k, fmt) for r in ranks if r < w.cols for fmt in PREVIEW_FORMATS]
+    cost = [preview_seconds(hp) for hp in tries]
+    tried = []
+    for c, hp in sorted(zip(cost, tries), key=lambda t: t[0]):
         ph = PreviewHead(exact, hp)
-        st = {"rank": hp.rank, "candidates": k, "preview_bytes": ph.preview_bytes, "head_bytes": w.nbytes,
-              **agreement(ph, hidden[cut:], want, tokens)}
+        st = {"rank": hp.rank, "format": hp.fmt, "candidates": k, "preview_ms": round(1e3 * c, 3),
+              "preview_bytes": ph.preview_bytes, "head_bytes": w.nbytes, **agreement(ph, hidden[cut:], want, tokens)}
         tried.append(st)
         if progress:
-            print(f"head preview rank {hp.rank}: greedy agreement {st['agreement']:.4f}, exact head for "
-                  f"{100 * st['fallback']:.2f}% of {st['tokens']} held-out tokens", flush=True)
-        if st["agreement"] >= target:
+            print(f"head preview rank {hp.rank} in {hp.fmt} ({st['preview_ms']:.2f} ms): greedy agreement "
+                  f"{st['agreement']:.4f}, exact head for {100 * st['fallback']:.2f}% of {st['tokens']} held-out tokens",
+                  flush=True)
+        if st["agreement"] >= target and st["fallback"] <= MAX_FALLBACK:
             hp.stats = dict(st)
             return hp, tried
     return None, tried

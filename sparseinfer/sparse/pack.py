@@ -8,8 +8,8 @@ the header key ``sparseinfer.pack`` holds the format version, the model fingerpr
 (`WeightSource.fingerprint()`), the activation source, per-layer thresholds, predictor cut
 (tau), measured recall/precision/density per layer, and the calibration data description.
 Optionally the output head's preview (`sparse.head`): ``head.a`` (vocab x rank, f16/f32) and
-``head.b`` (rank x d_model, f32), with its candidate count and measurements under ``head`` in
-the metadata.
+``head.b`` (rank x d_model, f32), with its candidate count, the format decode holds A in and
+measurements under ``head`` in the metadata.
 """
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ class SparsityPack:
             "layers": [{"threshold": lp.threshold, "tau": lp.tau, "policy": lp.policy, "stats": lp.stats,
                         **({} if lp.predictor_reads == "ffn_input" else {"reads": lp.predictor_reads})}
                        for lp in self.layers],
-            **({"head": {"candidates": self.head.candidates, "stats": self.head.stats}} if self.head else {}),
+            **({"head": {"candidates": self.head.candidates, "format": self.head.fmt, "stats": self.head.stats}}
+               if self.head else {}),
         }
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -178,7 +179,7 @@ class SparsityPack:
             from .head import HeadPreview
 
             head = HeadPreview(tensors["head.a"].float(), tensors["head.b"].float(), meta["head"]["candidates"],
-                               meta["head"].get("stats", {}))
+                               meta["head"].get("stats", {}), meta["head"].get("format", "q8"))
         return cls(meta["fingerprint"], meta["model"], meta["activation_source"], layers,
                    meta.get("calibration", {}), meta.get("info", {}), path, head)
 
@@ -202,6 +203,10 @@ class SparsityPack:
             if self.model.get("d_model") is not None and h.b.shape[1] != self.model["d_model"]:
                 raise _bad(where, f"the head preview reads {h.b.shape[1]} inputs, the model has d_model "
                                   f"{_show(self.model['d_model'])}")
+            from .head import RANK_STEP
+
+            if h.a.shape[1] % RANK_STEP:
+                raise _bad(where, f"the head preview has rank {h.a.shape[1]}; expected a multiple of {RANK_STEP}")
             if type(h.candidates) is not int or not 1 <= h.candidates <= h.a.shape[0]:
                 raise _bad(where, f"the head preview keeps {_show(h.candidates)} candidates; expected 1 to "
                                   f"{h.a.shape[0]}")
@@ -333,6 +338,11 @@ def _check_meta(meta, path) -> None:
             raise _bad(path, "its head metadata is not an object with a positive integer 'candidates'")
         if not isinstance(hm.get("stats", {}), dict):
             raise _bad(path, "its head stats are not an object")
+        from .head import PREVIEW_FORMATS
+
+        if hm.get("format", "q8") not in PREVIEW_FORMATS:
+            raise _bad(path, f"its head preview is held in {_show(hm.get('format'))}; expected one of "
+                             f"{', '.join(PREVIEW_FORMATS)}")
 
 
 def _check_header(meta: dict, header: dict, path) -> None:
