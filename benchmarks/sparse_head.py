@@ -4,6 +4,10 @@ prompts, and decode speed against the exact head, alternated in one process.
     python benchmarks/sparse_head.py -m qwen2.5-coder-1.5b --pack PACK -t 2 --prompts 100 \
         --json benchmarks/results/sparse_head_qwen15.json
 
+With --fit instead of a pack, the preview is chosen here as `sparseinfer prepare` chooses it
+(`sparse.head.choose`, the default calibration mix), fitted on the dense model's head inputs
+(a pack fits it on those of its sparsified model).
+
 Agreement, over the first --prompts prompts of shared/data/prompts.jsonl (chat template, greedy,
 --n-gen tokens each):
   - identical: the fraction of generated positions whose token equals the exact head's run
@@ -55,8 +59,8 @@ def greedy(model, ids: list[int], n: int, check: PreviewHead | None = None) -> t
         logits = prefill(model, ids, cache)
         out = []
         for _ in range(n):
-            if check is not None:  # the preview on the same hidden state as the exact head
-                same += int(logits.argmax()) == int(check.row(check.last).argmax())
+            if check is not None:  # the preview on the same hidden state (and context) as the exact head
+                same += int(logits.argmax()) == int(check.row(check.last, ids + out).argmax())
             tok = int(logits.argmax())
             out.append(tok)
             logits = decode(model, tok, cache)
@@ -75,10 +79,31 @@ class Tap(torch.nn.Module):
         return self.exact(x)
 
 
+def fit_here(llm):
+    """The head preview `prepare` would choose, fitted on the dense model's head inputs over the
+    default calibration mix."""
+    from sparseinfer.sparse.calibrate import calibration_set, forward_batches
+    from sparseinfer.sparse.head import HiddenRecorder, choose
+    from sparseinfer.sparse.prepare import PrepareOptions
+
+    o = PrepareOptions()
+    cs = calibration_set(llm.tokenizer, DATA, o.tokens, o.seq_len, o.eval_tokens, o.seq_len * 2, o.seed)
+    rec = HiddenRecorder(llm.model)
+    try:
+        forward_batches(llm.model, cs.seqs, o.batch, "head inputs")
+    finally:
+        hidden = rec.detach()
+    hp, _ = choose(llm.model, hidden, o.head_agreement, tokens=cs.seqs)
+    if hp is None:
+        raise SystemExit("no head preview agrees with the exact head on the held-out calibration tokens")
+    return hp
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="smollm2")
     ap.add_argument("--pack", default=None, help="default: the pack next to the model")
+    ap.add_argument("--fit", action="store_true", help="choose and fit the preview here instead of reading a pack")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=100)
     ap.add_argument("--n-gen", type=int, default=64)
@@ -89,12 +114,16 @@ def main() -> None:
 
     llm = sparseinfer.load(a.model, threads=a.threads, dense=True)
     torch.set_num_threads(1)
-    pack = SparsityPack.load(a.pack or default_pack_path(llm.info.path))
-    pack.check(llm.source)
-    if pack.head is None:
-        raise SystemExit(f"{pack.path} has no head preview (made with --no-head, or none agreed / paid)")
     model, exact = llm.model, llm.model.head
-    ph = PreviewHead(exact, pack.head)
+    if a.fit:
+        hp = fit_here(llm)
+    else:
+        pack = SparsityPack.load(a.pack or default_pack_path(llm.info.path))
+        pack.check(llm.source)
+        if pack.head is None:
+            raise SystemExit(f"{pack.path} has no head preview (made with --no-head, or none agreed / paid)")
+        hp = pack.head
+    ph = PreviewHead(exact, hp)
     ps = prompts(llm, a.prompts)
 
     same_pos = same_tok = total = 0
@@ -137,8 +166,8 @@ def main() -> None:
             print(f"round {r + 1}: exact {pairs[-1][0]:.2f} tok/s, preview {pairs[-1][1]:.2f} tok/s", flush=True)
     model.head = exact
     w = exact.weight
-    rec = {**machine(), "model": Path(llm.info.path).name, "threads": a.threads, "rank": pack.head.rank,
-           "candidates": pack.head.candidates, "prompts": len(ps), "n_gen": a.n_gen,
+    rec = {**machine(), "model": Path(llm.info.path).name, "threads": a.threads, "rank": hp.rank,
+           "format": hp.fmt, "candidates": hp.candidates, "fitted_here": a.fit, "prompts": len(ps), "n_gen": a.n_gen,
            "identical": round(same_pos / total, 5), "per_token": round(same_tok / total, 5),
            "fallback": round(fell, 5), "n_prompt": a.n_prompt, "rounds": a.rounds,
            **({"exact_tok_s": round(statistics.median(p[0] for p in pairs), 2),

@@ -28,7 +28,7 @@ def add_parser(subparsers):
                    help="skip decoding with and without the pack (a pack is then used wherever it is found)")
     p.add_argument("--no-head", action="store_true",
                    help="no preview of the output head (by default one is fitted and kept when its greedy tokens "
-                        "agree with the exact head's on 99.95%% of held-out tokens and it decodes faster here)")
+                        "agree with the exact head's on every held-out token and it decodes faster here)")
     p.add_argument("--verbose", action="store_true")
     return p
 
