@@ -9,7 +9,7 @@ of the head's input h on calibration text and V_r the top r right singular vecto
 rank-r approximation of the logits with the least expected squared error over inputs like the
 calibration ones (without the weighting by h's covariance the preview misses the true top
 token far more often, since a few directions of h carry most of its energy).  A is held in q8
-and read by the ordinary gemv kernel.
+or q4 and read by the ordinary gemv kernel.
 
 Per token: z = B h; p = A z (the preview); the candidates are the tokens whose preview is at
 least the estimated k-th largest (found on a strided sample of p, so no full sort), and the
@@ -297,10 +297,11 @@ def choose(model: nn.Module, hidden: torch.Tensor, target: float = 0.9999, held_
     k = candidate_count(w.rows)
     want = exact_tokens(exact, hidden[cut:])
     ranks = sorted({-(-w.cols // frac // RANK_STEP) * RANK_STEP for frac in RANK_FRACTIONS})
-    tries = [preview(basis, r, k, fmt) for r in ranks if r < w.cols for fmt in PREVIEW_FORMATS]
-    cost = [preview_seconds(hp) for hp in tries]
+    configs = [(r, fmt) for r in ranks if r < w.cols for fmt in PREVIEW_FORMATS]
+    cost = [preview_seconds(preview(basis, r, k, fmt)) for r, fmt in configs]   # one preview in memory at a time
     tried = []
-    for c, hp in sorted(zip(cost, tries), key=lambda t: t[0]):
+    for c, (r, fmt) in sorted(zip(cost, configs), key=lambda t: t[0]):
+        hp = preview(basis, r, k, fmt)
         ph = PreviewHead(exact, hp)
         st = {"rank": hp.rank, "format": hp.fmt, "candidates": k, "preview_ms": round(1e3 * c, 3),
               "preview_bytes": ph.preview_bytes, "head_bytes": w.nbytes, **agreement(ph, hidden[cut:], want, tokens)}
