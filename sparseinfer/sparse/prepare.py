@@ -310,7 +310,7 @@ def print_report(pack: SparsityPack, console=None) -> None:
     hd = pack.head
     if hd is not None:
         st, hs = hd.stats, hd.stats.get("speed")
-        console.print(f"output head preview: rank {hd.rank}, {hd.candidates} candidates, "
+        console.print(f"output head preview: rank {hd.rank} in {hd.fmt}, {hd.candidates} candidates and the context's tokens, "
                       f"{st.get('preview_bytes', 0) / 2**20:.1f} MiB instead of the head's {st.get('head_bytes', 0) / 2**20:.1f}; "
                       f"greedy tokens equal to the exact head's on {100 * st.get('agreement', 0):.2f}% of "
                       f"{st.get('tokens', 0)} held-out tokens (exact head for {100 * st.get('fallback', 0):.2f}%)"
