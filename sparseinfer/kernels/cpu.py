@@ -13,6 +13,7 @@ All inputs are CPU tensors; x float32; row ids int32 (int64 is converted); outpu
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -384,10 +385,11 @@ def _gemm_on_slices(w: QWeight, x: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return yt.t().contiguous()
 
 
+@functools.cache
 def bf16_gemm_native() -> bool:
     """True on CPUs whose vector or tile unit multiplies bfloat16 (AVX512_BF16 or AMX-BF16; the
     compiled core's CPU detection), where torch's bfloat16 GEMM runs at hardware speed;
-    elsewhere it is emulated and slow."""
+    elsewhere it is emulated and slow.  Asked once (cpuid traps to the hypervisor on a VM)."""
     return _cpu is not None and bool(_cpu.cpu_bf16())
 
 
