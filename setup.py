@@ -22,6 +22,7 @@ SOURCES = [
     "sparseinfer/csrc/dense.c",
     "sparseinfer/csrc/sparse.c",
     "sparseinfer/csrc/cols.c",
+    "sparseinfer/csrc/tiles.c",
     "sparseinfer/csrc/norm_attn.c",
     "sparseinfer/csrc/probe.c",
     "sparseinfer/csrc/decode.c",

@@ -373,6 +373,68 @@ def to_cols(w: QWeight) -> ColWeight:
     return ColWeight(w.rows, w.cols, qs, scales(w.d), scales(w.m))
 
 
+TILE_ROWS = 16          # rows interleaved in one `TileWeight` tile
+TILE_BLOCK_BYTES = 320  # one tile's block of 32 inputs: 256 bytes of codes, then d and m (f16)
+
+
+@dataclass
+class TileWeight:
+    """A (rows, cols) weight with short rows in tiles of 16 interleaved rows, for dense
+    products that would be per-row-overhead bound in the row-major layout (csrc/tiles.c).
+
+    Format ``tq4`` holds exactly the values of a row-major ``q4`` weight: value(r, j) =
+    d[r, b] * q + m[r, b] with b = j // 32, q in 0..15.  ``qs`` is uint8 ``(T, G, 320)``
+    (T = ceil(rows / 16) tiles, G = ceil(cols / 32) blocks): tile t, block b holds four lines
+    of 64 bytes, then the f16 d of its 16 rows, then their f16 m; in line l, byte ``4 i + c``
+    holds row ``16 t + i``, input ``32 b + 8 l + c`` in its low nibble and input
+    ``32 b + 8 l + 4 + c`` in its high nibble.  Padding rows and columns are zero (codes and
+    scales)."""
+
+    rows: int
+    cols: int
+    qs: torch.Tensor
+    fmt: str = "tq4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """Reference: the (rows, cols) float32 matrix."""
+        t, g, _ = self.qs.shape
+        codes = self.qs[:, :, :256].reshape(t, g, 4, TILE_ROWS, 4).long()        # [t, b, l, i, c]
+        q = torch.cat([codes & 15, codes >> 4], dim=-1)                           # [t, b, l, i, 8]
+        q = q.permute(0, 3, 1, 2, 4).reshape(t * TILE_ROWS, g * BLOCK).float()    # rows x inputs
+        sc = self.qs[:, :, 256:].contiguous().view(torch.float16).float()        # [t, b, 32]
+        d = sc[..., :TILE_ROWS].permute(0, 2, 1).reshape(t * TILE_ROWS, g)
+        m = sc[..., TILE_ROWS:].permute(0, 2, 1).reshape(t * TILE_ROWS, g)
+        w = q.view(-1, g, BLOCK) * d[..., None] + m[..., None]
+        return w.reshape(t * TILE_ROWS, g * BLOCK)[: self.rows, : self.cols].contiguous()
+
+
+def to_tiles(w: QWeight) -> TileWeight:
+    """The `TileWeight` of a row-major q4 weight: the same values, 16 rows interleaved."""
+    if w.fmt != "q4" or w.m is None:
+        raise ValueError(f"row-tiled weights are made from q4 weights, not {w.fmt}")
+    g = padded(w.cols) // BLOCK
+    t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
+    q = torch.zeros(t * TILE_ROWS, g * BLOCK, dtype=torch.uint8)
+    q[: w.rows] = unpack_nibbles(w.qs[:, : g * BLOCK // 2])
+    q = q.view(t, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)               # [t, b, l, i, c, half]
+    codes = (q[..., 0] | (q[..., 1] << 4)).reshape(t, g, 256)
+
+    def scales(x):
+        v = torch.zeros(t * TILE_ROWS, g, dtype=torch.float16)
+        v[: w.rows] = x[:, :g].to(torch.float16)
+        return v.view(t, TILE_ROWS, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, b, 32 bytes]
+
+    return TileWeight(w.rows, w.cols, torch.cat([codes, scales(w.d), scales(w.m)], dim=-1).contiguous())
+
+
 def dequantize(w: QWeight) -> torch.Tensor:
     if w.fmt in FLOAT_FORMATS:
         return w.qs.float()

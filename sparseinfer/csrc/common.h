@@ -96,6 +96,15 @@ typedef struct {
     const uint16_t *d, *m;
 } cmat_t;
 
+/* A row-tiled q4 weight (tiles.c has the layout): rows x cols in tiles of 16 rows, each tile
+ * g = ceil(cols/32) blocks of TQ4_BLOCK_BYTES (codes, then f16 d and m of its 16 rows). */
+#define TQ4_ROWS 16
+#define TQ4_BLOCK_BYTES 320
+typedef struct {
+    int64_t rows, cols, g, ntiles;
+    const uint8_t *qs;
+} tmat_t;
+
 /* T quantized activation vectors, token t at q + t*q_stride etc. */
 typedef struct {
     int8_t *q;
@@ -162,6 +171,11 @@ typedef struct {
      * y[r] += dx * d[r] * sum_j q_j * code(r, j) + m[r] * sx for r < Np; NULL: the portable version */
     void (*cols_group)(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t Np, const uint16_t *d,
                        const uint16_t *m, float dx, float sx, float *y);
+    /* row-tiled q4 (tiles.c): tiles [t0, t1) of w against one token quantized in XL_NATURAL
+     * (q: int8 per column, d and s per block of 32); y[16 (t - t0) + i] = row 16t + i;
+     * NULL: the portable version */
+    void (*tiles_q4)(const tmat_t *w, int64_t t0, int64_t t1, const int8_t *q, const float *d, const float *s,
+                     float *y);
 } kernels_t;
 
 /* Products of up to this many tokens (batched decode: one token of each of a few sequences)

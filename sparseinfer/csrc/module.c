@@ -150,6 +150,55 @@ static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
+/* gemv_tiles(rows, cols, qs, x, y): a row-tiled q4 weight (tiles.c); the caller
+ * (sparseinfer/kernels/cpu.py) has checked the buffers' sizes */
+static PyObject *py_gemv_tiles(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    tmat_t w;
+    int64_t rows, cols;
+    void *qs, *x, *y;
+    if (!nargs_ok(na, 5, "gemv_tiles") || get_i64(a[0], &rows) || get_i64(a[1], &cols) || get_ptr(a[2], &qs) ||
+        get_ptr(a[3], &x) || get_ptr(a[4], &y))
+        return NULL;
+    if (si_tmat_init(&w, rows, cols, qs) != 0 || !x || !y)
+        return PyErr_Format(PyExc_ValueError, "invalid row-tiled weight or null pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_gemv_tiles(&w, x, y);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* select_ids(p, n, thr, extra, out) -> (ids written, of them at or above thr): extra a list of ints (ids outside [0, n) are
+ * ignored) or None; out has room for n int32 (checked by the caller) */
+static PyObject *py_select_ids(PyObject *self, PyObject *const *a, Py_ssize_t na) {
+    void *p, *out;
+    int64_t n;
+    if (!nargs_ok(na, 5, "select_ids") || get_ptr(a[0], &p) || get_i64(a[1], &n) || get_ptr(a[4], &out)) return NULL;
+    const double thr = PyFloat_AsDouble(a[2]);
+    if (thr == -1.0 && PyErr_Occurred()) return NULL;
+    if (!p || !out || n < 0) return PyErr_Format(PyExc_ValueError, "select_ids: null buffer or negative length");
+    int64_t ne = 0, *extra = NULL;
+    if (a[3] != Py_None) {
+        if (!PyList_Check(a[3])) return PyErr_Format(PyExc_TypeError, "select_ids: extra ids must be a list of ints");
+        ne = PyList_GET_SIZE(a[3]);
+        extra = malloc((size_t)(ne ? ne : 1) * sizeof(int64_t));
+        if (!extra) return PyErr_NoMemory();
+        for (int64_t i = 0; i < ne; i++) {
+            const long long v = PyLong_AsLongLong(PyList_GET_ITEM(a[3], i));
+            if (v == -1 && PyErr_Occurred()) {
+                free(extra);
+                return NULL;
+            }
+            extra[i] = (int64_t)v;
+        }
+    }
+    int64_t k, above;
+    Py_BEGIN_ALLOW_THREADS
+    k = si_select_ids(p, n, (float)thr, extra, ne, out, &above);
+    Py_END_ALLOW_THREADS
+    free(extra);
+    return Py_BuildValue("LL", (long long)k, (long long)above);
+}
+
 /* gemv_cols(rows, cols, qs, d, m, x, thr, y) -> inputs kept: a column-grouped q4 weight (cols.c);
  * the caller (sparseinfer/kernels/cpu.py) has checked the buffers' sizes */
 static PyObject *py_gemv_cols(PyObject *self, PyObject *const *a, Py_ssize_t na) {
@@ -650,6 +699,8 @@ static PyMethodDef methods[] = {
     {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(w, x, y)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
+    {"gemv_tiles", (PyCFunction)(void (*)(void))py_gemv_tiles, METH_FASTCALL, "row-tiled q4 product"},
+    {"select_ids", (PyCFunction)(void (*)(void))py_select_ids, METH_FASTCALL, "ids at or above a threshold, or listed"},
     {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
     {"gemv_cols_list", (PyCFunction)(void (*)(void))py_gemv_cols_list, METH_FASTCALL, "column-grouped q4 product over listed inputs"},
     {"axpy_rows", (PyCFunction)(void (*)(void))py_axpy_rows, METH_FASTCALL, "axpy_rows(w, h, idx, n, y)"},

@@ -27,6 +27,13 @@ int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const vo
 int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y);
 /* y = sum_j h[j] * W[:, idx[j]] for the n inputs idx, ascending and distinct (cols.c) */
 void si_gemv_cols_list(const cmat_t *w, const float *h, const int32_t *idx, int64_t n, float *y);
+/* y = W x on a row-tiled q4 weight (tiles.c), x quantized to int8 per block of 32 */
+int si_tmat_init(tmat_t *w, int64_t rows, int64_t cols, const void *qs);
+void si_gemv_tiles(const tmat_t *w, const float *x, float *y);
+/* the ids i < n with p[i] >= thr or listed in extra (ids outside [0, n) ignored), ascending
+ * and distinct, into out (room for n); returns how many, *n_thr how many had p[i] >= thr (sparse.c) */
+int64_t si_select_ids(const float *p, int64_t n, float thr, const int64_t *extra, int64_t n_extra, int32_t *out,
+                      int64_t *n_thr);
 void si_gemv_rows(const qmat_t *w, const float *x, const int32_t *rows, int64_t n, float *y);
 void si_axpy_rows(const qmat_t *wt, const float *h, const int32_t *rows, int64_t n, float *y);
 void si_sparse_ffn(int act, const qmat_t *gate, const qmat_t *up, const qmat_t *down_t,

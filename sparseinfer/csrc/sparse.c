@@ -471,3 +471,34 @@ int64_t si_sparse_records(const uint8_t *rec, int act, int relu_up, const qmat_t
     }
     return total;
 }
+
+/* ------------------------------------------------------------ candidate selection */
+
+/* One pass instead of a compare, a count, a scatter of the extra ids and a nonzero over the
+ * whole vector (the output head's candidates, sparseinfer/sparse/head.py): the extra ids are
+ * marked in a bitmap, then each run of 64 values gives a word of bits (value >= thr, or marked)
+ * whose set bits are the ids, in order. */
+int64_t si_select_ids(const float *p, int64_t n, float thr, const int64_t *extra, int64_t n_extra, int32_t *out,
+                      int64_t *n_thr) {
+    const int64_t nw = (n + 63) / 64;
+    uint64_t *mark = scratch(3, (size_t)nw * sizeof(uint64_t));
+    if (!mark) abort();
+    memset(mark, 0, (size_t)nw * sizeof(uint64_t));
+    for (int64_t i = 0; i < n_extra; i++)
+        if (extra[i] >= 0 && extra[i] < n) mark[extra[i] >> 6] |= (uint64_t)1 << (extra[i] & 63);
+    int64_t k = 0, above = 0;
+    for (int64_t w = 0; w < nw; w++) {
+        const int64_t base = 64 * w, m = n - base < 64 ? n - base : 64;
+        const float *pw = p + base;
+        uint64_t bits = 0;
+        for (int64_t j = 0; j < m; j++) bits |= (uint64_t)(pw[j] >= thr) << j;
+        above += __builtin_popcountll(bits);
+        bits |= mark[w];
+        while (bits) {
+            out[k++] = (int32_t)(base + __builtin_ctzll(bits));
+            bits &= bits - 1;
+        }
+    }
+    *n_thr = above;
+    return k;
+}

@@ -24,7 +24,7 @@ import ctypes
 from sparseinfer.kernels import reference
 from sparseinfer.kernels.cstructs import QMat, check_layout
 from sparseinfer.kv_cache import KV_CODES, row_bytes, storage_dtype
-from sparseinfer.quant import FORMATS, Q4K_BLOCK, Q4K_BYTES, ColWeight, QWeight
+from sparseinfer.quant import FORMATS, Q4K_BLOCK, Q4K_BYTES, TILE_BLOCK_BYTES, TILE_ROWS, ColWeight, QWeight, TileWeight
 
 try:
     from sparseinfer import _cpu
@@ -232,6 +232,43 @@ def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor, out: torch.Tenso
     y = _out(out, wt.cols)
     _cpu.axpy_rows(desc, h.data_ptr(), rows.data_ptr(), n, y.data_ptr())
     return y
+
+
+def gemv_tiles(w: TileWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[N] = W x on a row-tiled q4 weight (x quantized to int8 per block of 32, one term)."""
+    if not isinstance(w, TileWeight):
+        raise ValueError(f"expected a TileWeight, got {type(w).__name__}")
+    if _cpu is None:
+        _fallback()
+        return _store(reference.gemv_tiles(w, x).float(), out)
+    shape = (-(-w.rows // TILE_ROWS), -(-w.cols // 32), TILE_BLOCK_BYTES)
+    _check_tensor(w.qs, "tiled weight qs", torch.uint8, shape)
+    if not w.qs.is_contiguous():
+        raise ValueError("row-tiled weight qs must be contiguous")
+    x = _vec(x, w.cols)
+    y = _out(out, w.rows)
+    _cpu.gemv_tiles(w.rows, w.cols, w.qs.data_ptr(), x.data_ptr(), y.data_ptr())
+    return y
+
+
+def select_ids(p: torch.Tensor, thr: float, extra: list | None = None, out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, int]:
+    """(the ids i with p[i] >= thr or listed in `extra` (a list of ints; ids outside the vector
+    are ignored), ascending and distinct, as int32; how many have p[i] >= thr).  `out`: an
+    int32 buffer of p's length to return a view of."""
+    n = p.numel()
+    if _cpu is None:
+        _fallback()
+        return reference.select_ids(p, thr, extra).to(_I32), int((p >= thr).sum())
+    p = _vec(p, n, "p")
+    if out is None:
+        out = torch.empty(n, dtype=_I32)
+    elif type(out) is not _Tensor or out.dtype is not _I32 or out.numel() < n or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"out must be a contiguous int32 CPU tensor of at least {n} elements")
+    if extra is not None and not isinstance(extra, list):
+        extra = [int(v) for v in extra]
+    k, above = _cpu.select_ids(p.data_ptr(), n, float(thr), extra, out.data_ptr())
+    return out[:k], above
 
 
 def _cols_args(w: ColWeight) -> tuple:

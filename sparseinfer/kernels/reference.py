@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseinfer.quant import BLOCK, Q4K_BLOCK, ColWeight, QWeight, padded, q4k_affine, unpack_nibbles, unpack_q6
+from sparseinfer.quant import BLOCK, Q4K_BLOCK, ColWeight, QWeight, TileWeight, padded, q4k_affine, unpack_nibbles, unpack_q6
 
 INT_FORMATS = ("q8", "q4", "q6", "q4k")
 
@@ -106,6 +106,21 @@ def gemv_cols(w: ColWeight, x: torch.Tensor, thr: float) -> tuple[torch.Tensor, 
 def gemv_cols_list(w: ColWeight, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """y = sum_j h[j] * W[:, idx[j]] in float64."""
     return w.dequantize().double()[:, idx.long()] @ h.double()
+
+
+def gemv_tiles(w: TileWeight, x: torch.Tensor) -> torch.Tensor:
+    """W x in float64 with the fast kernels' rounding of x reproduced (int8 per block of 32,
+    `activation_rounded`); the kernels differ from this only in summation order."""
+    return w.dequantize().double() @ activation_rounded(x.float(), "int8").reshape(-1)[: w.cols]
+
+
+def select_ids(p: torch.Tensor, thr: float, extra=None) -> torch.Tensor:
+    """The ids i with p[i] >= thr or in `extra` (ids outside [0, len(p)) ignored), ascending."""
+    keep = p >= thr
+    if extra is not None and len(extra):
+        e = torch.as_tensor(list(extra), dtype=torch.long)
+        keep[e[(e >= 0) & (e < p.numel())]] = True
+    return torch.nonzero(keep).view(-1)
 
 
 def gemv_cols_emulated(w: ColWeight, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ of the head's input h on calibration text and V_r the top r right singular vecto
 rank-r approximation of the logits with the least expected squared error over inputs like the
 calibration ones (without the weighting by h's covariance the preview misses the true top
 token far more often, since a few directions of h carry most of its energy).  A is held in q8
-or q4 and read by the ordinary gemv kernel.
+(read by the ordinary gemv kernel) or in q4 in 16-row tiles (`quant.TileWeight`, read by
+`cpu.gemv_tiles`: rows of a few hundred weights are per-row-overhead bound in the row-major
+kernels).
 
 Per token: z = B h; p = A z (the preview); the candidates are the tokens whose preview is at
 least the estimated k-th largest (found on a strided sample of p, so no full sort), and the
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu
-from ..quant import from_float
+from ..quant import TileWeight, from_float, to_tiles
 
 SAMPLE_STRIDE = 16      # the k-th largest preview value is estimated on every 16th logit
 MAX_ROWS = 1            # more rows at once (batched decode) read the exact head once for all
@@ -109,23 +111,33 @@ def preview(basis: Basis, rank: int, candidates: int, fmt: str = "q8") -> HeadPr
     return HeadPreview(basis.wlv[:, :rank].contiguous(), basis.vtl[:rank].contiguous(), candidates, fmt=fmt)
 
 
-def select(p: torch.Tensor, k: int, context=None) -> tuple[torch.Tensor | None, float]:
-    """(ids of the tokens whose preview is at least the estimated k-th largest and of the
-    tokens in `context` (ids; the last `CONTEXT_WINDOW` count), ascending; the estimated
-    (k/4)-th largest value), or (None, _) when the estimate is off by over 4x."""
+def select(p: torch.Tensor, k: int, context=None, out: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor | None, float]:
+    """(ids (int32) of the tokens whose preview is at least the estimated k-th largest and of
+    the tokens in `context` (ids; the last `CONTEXT_WINDOW` count), ascending; the estimated
+    (k/4)-th largest value), or (None, _) when the estimate is off by over 4x.  `out`: an int32
+    buffer of p's length for the ids."""
     s = p[::SAMPLE_STRIDE]
     ks = max(4, k // SAMPLE_STRIDE)
     if ks >= s.numel():
-        return torch.arange(p.numel()), float("-inf")
+        return torch.arange(p.numel(), dtype=torch.int32), float("-inf")
     top = torch.topk(s, ks).values                           # sorted, largest first
-    keep = p >= top[-1]
-    n = int(keep.sum())
+    ctx = None if context is None or not len(context) else context[-CONTEXT_WINDOW:]
+    ids, n = cpu.select_ids(p, float(top[-1]), ctx if ctx is None or isinstance(ctx, list) else ctx.tolist(), out)
     if not k // 4 <= n <= 4 * k:
         return None, 0.0
-    if context is not None and len(context):
-        ctx = torch.as_tensor(context[-CONTEXT_WINDOW:], dtype=torch.long)
-        keep[ctx[(ctx >= 0) & (ctx < p.numel())]] = True
-    return torch.nonzero(keep).view(-1), float(top[ks // 4 - 1])
+    return ids, float(top[ks // 4 - 1])
+
+
+def preview_matrix(hp: HeadPreview):
+    """A as decode reads it: a row-major q8 `QWeight`, or q4 in row tiles (`TileWeight`)."""
+    a = from_float(hp.a.float(), hp.fmt)
+    return to_tiles(a) if hp.fmt == "q4" else a
+
+
+def preview_product(a, z: torch.Tensor) -> torch.Tensor:
+    """p = A z for `preview_matrix`'s A."""
+    return cpu.gemv_tiles(a, z) if isinstance(a, TileWeight) else cpu.gemv(a, z)
 
 
 class PreviewHead(nn.Module):
@@ -146,10 +158,11 @@ class PreviewHead(nn.Module):
         if hp.fmt not in PREVIEW_FORMATS or hp.a.shape[1] % RANK_STEP:
             raise ValueError(f"head preview of rank {hp.a.shape[1]} in {hp.fmt!r}: expected a multiple of "
                              f"{RANK_STEP} in one of {', '.join(PREVIEW_FORMATS)}")
-        self.a = from_float(hp.a.float(), hp.fmt)
+        self.a = preview_matrix(hp)
         self.b = hp.b.float().contiguous()
         self.k = hp.candidates
         self.tokens = self.fallbacks = 0
+        self._ids = torch.empty(w.rows, dtype=torch.int32)
 
     @property
     def weight(self):
@@ -172,8 +185,8 @@ class PreviewHead(nn.Module):
         head's, when uncertain).  `context`: the ids of the sequence's tokens so far."""
         self.tokens += 1
         h = h.contiguous()
-        p = cpu.gemv(self.a, self.b @ h)
-        ids, sure = select(p, self.k, context)
+        p = preview_product(self.a, self.b @ h)
+        ids, sure = select(p, self.k, context, self._ids)
         if ids is not None:
             ex = cpu.gemv_rows(self.exact.weight, h, ids)
             if self.exact.bias is not None:
@@ -235,14 +248,14 @@ def preview_seconds(hp: HeadPreview, reps: int = 15) -> float:
     decode (where the whole model passes through the caches between two tokens)."""
     import time
 
-    a = from_float(hp.a.float(), hp.fmt)
+    a = preview_matrix(hp)
     z = torch.randn(hp.rank)
     evict = torch.ones(16 << 20)             # 64 MB, more than the last-level caches we meet
     ts = []
     for _ in range(reps):
         evict.add_(1.0)
         t = time.perf_counter()
-        cpu.gemv(a, z)
+        preview_product(a, z)
         ts.append(time.perf_counter() - t)
     return sorted(ts)[reps // 2]
 

@@ -1,0 +1,146 @@
+"""Row-tiled q4 weights (`quant.TileWeight`) and the dense product on them (`cpu.gemv_tiles`,
+the output head preview's product): the layout holds exactly the row-major q4 values; the fast
+kernel on every SIMD level equals the float64 reference with its int8 rounding of x reproduced
+(summation order aside) and gives bit-identical results for any thread count.  Also the
+candidate selection `cpu.select_ids` against its torch reference."""
+import pytest
+import torch
+
+from sparseinfer.kernels import cpu
+from sparseinfer.kernels import reference as ref
+from sparseinfer.quant import TileWeight, from_float, to_tiles
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels not built")
+
+# rows: whole tiles of 16 and a partial last tile; cols: whole and partial blocks of 32
+SHAPES = [(16, 32), (17, 32), (64, 256), (200, 70), (1000, 384), (4099, 96), (5, 1)]
+
+
+def weight(rows, cols, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return from_float(torch.randn(rows, cols, generator=g), "q4")
+
+
+def vec(n, seed=1):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def threads():
+    old = cpu.get_num_threads()
+    yield cpu.set_num_threads
+    cpu.set_num_threads(old)
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_layout_holds_the_row_major_values(rows, cols):
+    w = weight(rows, cols)
+    tw = to_tiles(w)
+    assert tw.shape == (rows, cols)
+    assert torch.equal(tw.dequantize(), w.dequantize())
+    # 5 bits per weight, as the row-major q4 (padding aside)
+    assert tw.nbytes == -(-rows // 16) * 16 * ((cols + 31) // 32 * 32) * 5 // 8
+
+
+def test_layout_places_one_known_code():
+    """Row 16t + i, input 32b + 8l + c (+4 in the high nibble) sits in tile t, block b, line l,
+    byte 4i + c (the docstring's layout, checked on one value rather than by the round trip)."""
+    x = torch.zeros(40, 64)
+    x[16 + 5, 32 + 8 * 2 + 4 + 3] = 1.0        # t=1, i=5, b=1, l=2, high nibble, c=3
+    tw = to_tiles(from_float(x, "q4"))
+    byte = int(tw.qs[1, 1, 64 * 2 + 4 * 5 + 3])
+    assert byte >> 4 == 15 and abs(float(tw.dequantize()[21, 32 + 23]) - 1.0) < 1e-3
+
+
+def test_layout_from_strided_rows():
+    big = weight(64, 96)
+    view = type(big)("q4", 32, 96, big.qs[::2], big.d[::2], big.m[::2])
+    assert torch.equal(to_tiles(view).dequantize(), view.dequantize())
+
+
+def test_only_q4_converts():
+    with pytest.raises(ValueError, match="q4"):
+        to_tiles(from_float(torch.randn(64, 32), "q8"))
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_gemv_tiles_matches_the_reference(level, rows, cols):
+    tw = to_tiles(weight(rows, cols))
+    for seed in (1, 2):
+        x = vec(cols, seed)
+        y = cpu.gemv_tiles(tw, x)
+        emu = ref.gemv_tiles(tw, x)
+        # float summation order only: 1e-5 of the sum of |terms|
+        xr = ref.activation_rounded(x).reshape(-1)[:cols].abs()
+        bound = 1e-5 * (tw.dequantize().abs().double() @ xr) + 1e-6
+        assert ((y.double() - emu).abs() <= bound).all(), (level, seed)
+        # and within the int8 rounding of x of the exact product
+        exact = tw.dequantize().double() @ x.double()
+        amax = torch.nn.functional.pad(x.abs(), (0, -cols % 32)).view(-1, 32).amax(-1)
+        step = (amax / 127).repeat_interleave(32)[:cols].double()
+        assert ((y.double() - exact).abs() <= tw.dequantize().abs().double() @ step / 2 + 1e-4).all()
+
+
+def test_gemv_tiles_of_zeros(level):
+    tw = to_tiles(weight(48, 64))
+    assert torch.equal(cpu.gemv_tiles(tw, torch.zeros(64)), torch.zeros(48))
+
+
+def test_gemv_tiles_thread_count_independent(threads):
+    tw = to_tiles(weight(20000, 256))
+    x = vec(256)
+    outs = []
+    for n in (1, 2, 3):
+        threads(n)
+        outs.append(cpu.gemv_tiles(tw, x))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_gemv_tiles_levels_agree(level):
+    """Every level sums the same exact integers per block: the results match the portable
+    level to float rounding of the final multiply-adds."""
+    tw = to_tiles(weight(330, 200))
+    x = vec(200)
+    y = cpu.gemv_tiles(tw, x)
+    old = cpu.simd_level()
+    cpu._cpu.set_simd_level("scalar")
+    try:
+        y0 = cpu.gemv_tiles(tw, x)
+    finally:
+        cpu._cpu.set_simd_level(old)
+    assert torch.allclose(y, y0, rtol=1e-6, atol=1e-5)
+
+
+def test_gemv_tiles_rejects_bad_inputs():
+    tw = to_tiles(weight(40, 64))
+    with pytest.raises(ValueError):
+        cpu.gemv_tiles(tw, torch.randn(63))
+    with pytest.raises(ValueError):
+        cpu.gemv_tiles(TileWeight(tw.rows, tw.cols, tw.qs[:, :, :-1].contiguous()), torch.randn(64))
+    with pytest.raises(ValueError):
+        cpu.gemv_tiles(TileWeight(tw.rows + 16, tw.cols, tw.qs), torch.randn(64))
+    with pytest.raises(ValueError):
+        cpu.gemv_tiles(weight(40, 64), torch.randn(64))
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 151936])
+def test_select_ids_matches_the_reference(n):
+    g = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=g)
+    thr = float(torch.quantile(p, 0.97)) if n > 1 else 0.0
+    for extra in (None, [], [0, n - 1, n, -5, 3, 3], torch.randint(-2, n + 2, (300,), generator=g).tolist()):
+        ids, above = cpu.select_ids(p, thr, extra)
+        assert ids.dtype == torch.int32
+        assert torch.equal(ids.long(), ref.select_ids(p, thr, extra))
+        assert above == int((p >= thr).sum())
+
+
+def test_select_ids_into_a_buffer_and_refusals():
+    p = torch.tensor([0.5, 2.0, -1.0, 3.0])
+    buf = torch.full((4,), -7, dtype=torch.int32)
+    ids, above = cpu.select_ids(p, 1.0, [2], buf)
+    assert ids.tolist() == [1, 2, 3] and above == 2 and ids.data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError):
+        cpu.select_ids(p, 1.0, None, torch.empty(3, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        cpu.select_ids(p, 1.0, ["a"])
