@@ -6,7 +6,8 @@ prompts, and decode speed against the exact head, alternated in one process.
 
 With --fit instead of a pack, the preview is chosen here as `sparseinfer prepare` chooses it
 (`sparse.head.choose`, the default calibration mix), fitted on the dense model's head inputs
-(a pack fits it on those of its sparsified model).
+(a pack fits it on those of its sparsified model); the record's `tried` lists each preview
+`choose` tried (rank, format, its product's time here, held-out agreement and fallback).
 
 Agreement, over the first --prompts prompts of shared/data/prompts.jsonl (chat template, greedy,
 --n-gen tokens each):
@@ -93,10 +94,10 @@ def fit_here(llm):
         forward_batches(llm.model, cs.seqs, o.batch, "head inputs")
     finally:
         hidden = rec.detach()
-    hp, _ = choose(llm.model, hidden, o.head_agreement, tokens=cs.seqs)
+    hp, tried = choose(llm.model, hidden, o.head_agreement, tokens=cs.seqs)
     if hp is None:
         raise SystemExit("no head preview agrees with the exact head on the held-out calibration tokens")
-    return hp
+    return hp, tried
 
 
 def main() -> None:
@@ -115,8 +116,9 @@ def main() -> None:
     llm = sparseinfer.load(a.model, threads=a.threads, dense=True)
     torch.set_num_threads(1)
     model, exact = llm.model, llm.model.head
+    tried = []
     if a.fit:
-        hp = fit_here(llm)
+        hp, tried = fit_here(llm)
     else:
         pack = SparsityPack.load(a.pack or default_pack_path(llm.info.path))
         pack.check(llm.source)
@@ -173,7 +175,8 @@ def main() -> None:
            **({"exact_tok_s": round(statistics.median(p[0] for p in pairs), 2),
                "preview_tok_s": round(statistics.median(p[1] for p in pairs), 2),
                "speedup": round(statistics.median(p[1] / p[0] for p in pairs), 3)} if pairs else {}),
-           "head_bytes": w.nbytes, "preview_bytes": ph.preview_bytes + ph.k * (w.nbytes // w.rows)}
+           "head_bytes": w.nbytes, "preview_bytes": ph.preview_bytes + ph.k * (w.nbytes // w.rows),
+           "tried": tried}
     print(json.dumps(rec))
     if a.json:
         with open(a.json, "w") as f:
