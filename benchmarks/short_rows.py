@@ -3,7 +3,8 @@ row-tiled; not a test.
 
     python benchmarks/short_rows.py [-t 2] [--rounds 5] [--json FILE]
 
-For each shape (Qwen2.5's and SmolLM2's vocabulary at the ranks `prepare` tries), times
+For each shape (Qwen2.5's and SmolLM2's vocabulary at the ranks `prepare` tries, and one
+long-row matrix for comparison), times
 `cpu.gemv` on row-major q8 and q4 and `cpu.gemv_tiles` on the same q4 values in row tiles,
 alternated in each round, the caches flushed (64 MB written) before every call; reports the
 median over rounds of each one's median time and the bytes it read per second.
@@ -21,7 +22,8 @@ from sparseinfer.kernels import cpu
 from sparseinfer.quant import from_float, to_tiles
 from sparseinfer.sparse.speed import machine
 
-SHAPES = [(151936, 192), (151936, 256), (151936, 384), (49152, 96), (49152, 192), (49152, 288)]
+# the head preview's (vocabulary x rank), then one of Qwen2.5-1.5B's own long-row matrices for comparison
+SHAPES = [(151936, 192), (151936, 256), (151936, 384), (49152, 96), (49152, 192), (49152, 288), (8960, 1536)]
 
 
 def main(argv=None) -> None:
@@ -53,7 +55,7 @@ def main(argv=None) -> None:
         for _ in range(a.rounds):
             for k, (fn, w) in kinds.items():
                 times[k].append(timed(fn, w, x))
-        rec = {"rows": n, "rank": r}
+        rec = {"rows": n, "cols": r}
         for k, (_, w) in kinds.items():
             s = statistics.median(times[k])
             rec[k] = {"ms": round(1e3 * s, 3), "bytes": w.nbytes, "gb_s": round(w.nbytes / s / 1e9, 1)}
