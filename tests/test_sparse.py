@@ -559,6 +559,11 @@ def test_sparsity_search_measures_decode_speed_at_each_point(tmp_path):
     pack, _ = _tiny_pack(tmp_path, 12, PrepareOptions(sizes=(16,), steps=5, max_ppl_increase=0.05, progress=False))
     search = pack.info["search"]
     assert search[0]["sparsity"] == 0.0 and len(search) >= 2
+    # the budget is judged against the dense FFNs, as the pack's evaluation reports it, so the
+    # chosen thresholds stay within it by that evaluation too
+    ev = pack.info["eval"]
+    assert pack.info["search_dense_ppl"] == pytest.approx(ev["ppl_dense"], rel=1e-9)
+    assert ev["ppl_threshold"] <= ev["ppl_dense"] * 1.05 * (1 + 1e-9)
     for p in search[1:]:
         assert p["speedup"] > 0 and p["dense_tok_s"] > 0 and p["sparse_tok_s"] > 0
     pytest.importorskip("matplotlib")

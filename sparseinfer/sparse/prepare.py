@@ -214,10 +214,16 @@ def _calibrate_thresholds(model, ffns, mlps, cs: cal.CalibrationSet, opts: Prepa
     else:
         budget = 0.03 if opts.max_ppl_increase is None else opts.max_ppl_increase
         on_point = _threshold_speed(model, ffns, mlps, cs) if opts.speed_check else None
+        # the budget is relative to the dense FFNs, as the pack's evaluation reports it
+        restore(model, mlps)
+        try:
+            dense = math.exp(cal.eval_nll(model, cs.eval, progress=opts.progress, desc="dense reference"))
+        finally:
+            restore(model, ffns)
         res = cal.search_sparsity(model, ffns, samples, cs.eval, budget, progress=opts.progress,
-                                  allocation=opts.allocation, on_point=on_point)
+                                  allocation=opts.allocation, on_point=on_point, dense_ppl=dense)
         s = res.sparsity
-        info.update({"max_ppl_increase": budget, "target_sparsity": s, "search": res.history})
+        info.update({"max_ppl_increase": budget, "target_sparsity": s, "search": res.history, "search_dense_ppl": dense})
     return cal.thresholds_for(samples, s, opts.allocation), info
 
 
