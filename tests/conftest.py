@@ -23,6 +23,16 @@ def _restore_activation_mode():
     cpu.set_activation_mode(old)
 
 
+@pytest.fixture
+def threads():
+    """cpu.set_num_threads, the kernels' thread count put back afterwards."""
+    from sparseinfer.kernels import cpu
+
+    old = cpu.get_num_threads()
+    yield cpu.set_num_threads
+    cpu.set_num_threads(old)
+
+
 def _supported_levels() -> list[str]:
     from sparseinfer.kernels import cpu
 

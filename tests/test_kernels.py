@@ -53,13 +53,6 @@ def act_mode():
     cpu.set_activation_mode(old)
 
 
-@pytest.fixture
-def threads():
-    old = cpu.get_num_threads()
-    yield cpu.set_num_threads
-    cpu.set_num_threads(old)
-
-
 def assert_gemv_close(w, x, y, f32_level=True):
     """y (fast) vs the exact reference within the contract; integer formats also vs the
     emulation of their activation rounding in the kernels' current mode, where only

@@ -25,13 +25,6 @@ def vec(n, seed=1):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture
-def threads():
-    old = cpu.get_num_threads()
-    yield cpu.set_num_threads
-    cpu.set_num_threads(old)
-
-
 @pytest.mark.parametrize("rows,cols", SHAPES)
 def test_layout_holds_the_row_major_values(rows, cols):
     w = weight(rows, cols)
