@@ -80,18 +80,8 @@ void si_gemv_tiles(const tmat_t *w, const float *x, float *y) {
     const kernels_t *k = si_kern();
     const int64_t kp = w->g * 32;
     xq_t xq;
-    /* one int8 term whatever the activation mode (see above) */
-    memset(&xq, 0, sizeof xq);
-    xq.layout = XL_NATURAL;
-    xq.q_stride = up(kp, 64);
-    xq.d_stride = up(w->g, 16);
-    xq.de_stride = up(si_de_len(w->g), 16);
-    int8_t *buf = scratch(0, (size_t)xq.q_stride + (size_t)(2 * xq.d_stride + xq.de_stride) * sizeof(float) + 256);
-    if (!buf) abort();
-    xq.q = buf;
-    xq.d = (float *)(buf + xq.q_stride);
-    xq.s = xq.d + xq.d_stride;
-    xq.de = xq.s + xq.d_stride;
+    if (si_xq_alloc(&xq, 0, XL_NATURAL, kp, 1) != 0) abort();
+    /* the level's quantizer directly: one int8 term whatever the activation mode (see above) */
     k->quantize(x, w->cols, kp, 0, 1, &xq);
     /* about 4 chunks per thread, >= ~32 KB each (row_chunk's reasoning, in tiles) */
     const int64_t tile_bytes = w->g * TQ4_BLOCK_BYTES;

@@ -253,9 +253,9 @@ def gemv_tiles(w: TileWeight, x: torch.Tensor, out: torch.Tensor | None = None) 
 
 def select_ids(p: torch.Tensor, thr: float, extra: list | None = None, out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, int]:
-    """(the ids i with p[i] >= thr or listed in `extra` (a list of ints; ids outside the vector
-    are ignored), ascending and distinct, as int32; how many have p[i] >= thr).  `out`: an
-    int32 buffer of p's length to return a view of."""
+    """(the ids i with p[i] >= thr or listed in `extra` (a list of ints, or an integer tensor;
+    ids outside the vector are ignored), ascending and distinct, as int32; how many have
+    p[i] >= thr).  `out`: an int32 buffer of p's length to return a view of."""
     n = p.numel()
     if _cpu is None:
         _fallback()
@@ -265,8 +265,10 @@ def select_ids(p: torch.Tensor, thr: float, extra: list | None = None, out: torc
         out = torch.empty(n, dtype=_I32)
     elif type(out) is not _Tensor or out.dtype is not _I32 or out.numel() < n or not out.is_contiguous() or not out.is_cpu:
         raise ValueError(f"out must be a contiguous int32 CPU tensor of at least {n} elements")
-    if extra is not None and not isinstance(extra, list):
-        extra = [int(v) for v in extra]
+    if isinstance(extra, torch.Tensor):
+        extra = extra.tolist()
+    elif extra is not None and not isinstance(extra, list):
+        extra = list(extra)
     k, above = _cpu.select_ids(p.data_ptr(), n, float(thr), extra, out.data_ptr())
     return out[:k], above
 

@@ -253,11 +253,13 @@ def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase:
     (1 + max_increase) x dense, by bisection (perplexity grows with sparsity).
     `on_point(s)`, when given, runs at each sparsity tried (its thresholds set) and returns a
     dict added to that point of the history (e.g. a measured decode speed).  `dense_ppl`: the
-    dense model's perplexity on `eval_seqs`, the budget's reference (default: the thresholded
-    FFNs' at sparsity 0, which can differ from the dense FFNs' in the last digits)."""
-    set_thresholds(ffns, [0.0] * len(ffns))
-    dense = math.exp(eval_nll(model, eval_seqs))
-    budget = (dense if dense_ppl is None else dense_ppl) * (1 + max_increase)
+    dense model's perplexity on `eval_seqs`, the budget's reference (default: measured here as
+    the thresholded FFNs' at sparsity 0, which can differ from the dense FFNs' in the last digits)."""
+    if dense_ppl is None:
+        set_thresholds(ffns, [0.0] * len(ffns))
+        dense_ppl = math.exp(eval_nll(model, eval_seqs))
+    dense = dense_ppl
+    budget = dense * (1 + max_increase)
     history = [{"sparsity": 0.0, "ppl": dense}]
     bar = tqdm(total=steps + 1, desc="sparsity search", disable=not progress)
 
@@ -282,7 +284,7 @@ def search_sparsity(model, ffns, samples, eval_seqs: torch.Tensor, max_increase:
             else:
                 hi = mid
     bar.close()
-    return SearchResult(best[0], dense if dense_ppl is None else dense_ppl, best[1], history)
+    return SearchResult(best[0], dense, best[1], history)
 
 
 class RecallMeter:

@@ -123,7 +123,7 @@ def select(p: torch.Tensor, k: int, context=None, out: torch.Tensor | None = Non
         return torch.arange(p.numel(), dtype=torch.int32), float("-inf")
     top = torch.topk(s, ks).values                           # sorted, largest first
     ctx = None if context is None or not len(context) else context[-CONTEXT_WINDOW:]
-    ids, n = cpu.select_ids(p, float(top[-1]), ctx if ctx is None or isinstance(ctx, list) else ctx.tolist(), out)
+    ids, n = cpu.select_ids(p, float(top[-1]), ctx, out)
     if not k // 4 <= n <= 4 * k:
         return None, 0.0
     return ids, float(top[ks // 4 - 1])
@@ -193,7 +193,7 @@ class PreviewHead(nn.Module):
                 ex += self.exact.bias[ids]
             best = int(ids[int(ex.argmax())])
             if float(p[best]) >= sure or (context is not None and best in context[-CONTEXT_WINDOW:]):
-                out = torch.full((p.numel(),), float("-inf"))
+                out = p.fill_(float("-inf"))              # the preview's buffer, no longer needed
                 out[ids] = ex
                 return out
         self.fallbacks += 1
