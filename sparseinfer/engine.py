@@ -17,7 +17,7 @@ from .generate import (GenerationResponse, make_sampler, presence_frequency_pena
 from .io.weights import WeightSource, open_source
 from .kv_cache import DEFAULT_CACHE_TYPE, check_cache_type
 from .models.base import CausalLM
-from .models.registry import build_model, check_shapes, prefetch
+from .models.registry import build_model, check_shapes, prefetch, tile_weights
 
 
 @dataclass
@@ -178,6 +178,7 @@ def load(path: str | os.PathLike | None = None, ctx_size: int | None = None, thr
     with torch.inference_mode():
         llm.model, llm.placement = place_on_device(model, device, vram_budget, llm.ctx_size, pack, info.fingerprint,
                                                    n_seq=n_seq, cache_type=cache_type)
+        tile_weights(llm.model)  # where row tiles pay: after the pack and the placement took their rows
         llm.model.build_steps()  # the decode plans, checked now rather than at the first token
     _settle_heap()
     return llm

@@ -29,6 +29,14 @@ Formats (a weight is a matrix of `rows` x `cols`, one output neuron per row; K =
   low nibbles, 64c+32.. in the high ones).  value = d * sc * q - dmin * mn (`q4k_affine`).
   4.5 bits per weight; the kernels multiply it with activations quantized per 256 values.
 
+- ``tq4``: q4's values with 16 rows interleaved (`to_tiles` / `from_tiles`; the CPU kernels'
+  layout for dense products, csrc/tiles.c): ``qs`` uint8 ``(T, G * 320)``, T = ceil(rows / 16)
+  tiles, G = Kp // 32 blocks, ``d``/``m`` None.  Tile t, block b: four lines of 64 bytes, then
+  the f16 d of its 16 rows, then their f16 m; in line l, byte ``4 i + c`` holds row
+  ``16 t + i``, input ``32 b + 8 l + c`` in its low nibble and input ``32 b + 8 l + 4 + c`` in
+  its high nibble.  Padding rows and columns are zero (codes and scales).  5 bits per weight,
+  as q4.  Rows are not addressable: row-sparse kernels take the q4 (`row_major`).
+
 Kp is cols rounded up to a multiple of 32; padding values are zero (q = 0, d = m = 0), so
 products over the padding add nothing.  Every row's bytes (and its scales) are contiguous,
 so a kernel that skips an inactive neuron skips its bytes.
@@ -44,6 +52,7 @@ import torch
 BLOCK = 32
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 QUANT_FORMATS = ("q8", "q4", "q6", "q4k")
+TILE_FORMATS = ("tq4",)  # CPU-only layouts of a format's values, made from it (`to_tiles`)
 Q4K_BLOCK, Q4K_BYTES = 256, 144  # values and bytes of one q4k super-block
 FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 _TORCH_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -55,7 +64,8 @@ def padded(cols: int) -> int:
 
 @dataclass
 class QWeight:
-    """A (rows, cols) weight matrix in one of `FORMATS`; see the module docstring."""
+    """A (rows, cols) weight matrix in one of `FORMATS` or `TILE_FORMATS`; see the module
+    docstring."""
 
     fmt: str
     rows: int
@@ -81,11 +91,17 @@ class QWeight:
         return dequantize(self)
 
     def select_rows(self, idx: torch.Tensor) -> "QWeight":
-        """A new QWeight holding rows `idx` in that order (used to reorder neurons by hotness)."""
+        """A new QWeight holding rows `idx` in that order (used to reorder neurons by hotness);
+        row-major (tq4 gives q4)."""
+        if self.fmt == "tq4":
+            return from_tiles(self).select_rows(idx)
         pick = lambda t: None if t is None else t.index_select(0, idx).contiguous()  # noqa: E731
         return QWeight(self.fmt, int(idx.numel()), self.cols, pick(self.qs), pick(self.d), pick(self.m))
 
     def to(self, device) -> "QWeight":
+        """On `device`; tq4 (a CPU kernels' layout) moves as q4."""
+        if self.fmt == "tq4" and torch.device(device).type != "cpu":
+            return from_tiles(self).to(device)
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QWeight(self.fmt, self.rows, self.cols, mv(self.qs), mv(self.d), mv(self.m))
 
@@ -373,66 +389,65 @@ def to_cols(w: QWeight) -> ColWeight:
     return ColWeight(w.rows, w.cols, qs, scales(w.d), scales(w.m))
 
 
-TILE_ROWS = 16          # rows interleaved in one `TileWeight` tile
+TILE_ROWS = 16          # rows interleaved in one tq4 tile
 TILE_BLOCK_BYTES = 320  # one tile's block of 32 inputs: 256 bytes of codes, then d and m (f16)
 
 
-@dataclass
-class TileWeight:
-    """A (rows, cols) weight with short rows in tiles of 16 interleaved rows, for dense
-    products that would be per-row-overhead bound in the row-major layout (csrc/tiles.c).
-
-    Format ``tq4`` holds exactly the values of a row-major ``q4`` weight: value(r, j) =
-    d[r, b] * q + m[r, b] with b = j // 32, q in 0..15.  ``qs`` is uint8 ``(T, G, 320)``
-    (T = ceil(rows / 16) tiles, G = ceil(cols / 32) blocks): tile t, block b holds four lines
-    of 64 bytes, then the f16 d of its 16 rows, then their f16 m; in line l, byte ``4 i + c``
-    holds row ``16 t + i``, input ``32 b + 8 l + c`` in its low nibble and input
-    ``32 b + 8 l + 4 + c`` in its high nibble.  Padding rows and columns are zero (codes and
-    scales)."""
-
-    rows: int
-    cols: int
-    qs: torch.Tensor
-    fmt: str = "tq4"
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows, self.cols)
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel()
-
-    def dequantize(self) -> torch.Tensor:
-        """Reference: the (rows, cols) float32 matrix."""
-        t, g, _ = self.qs.shape
-        codes = self.qs[:, :, :256].reshape(t, g, 4, TILE_ROWS, 4).long()        # [t, b, l, i, c]
-        q = torch.cat([codes & 15, codes >> 4], dim=-1)                           # [t, b, l, i, 8]
-        q = q.permute(0, 3, 1, 2, 4).reshape(t * TILE_ROWS, g * BLOCK).float()    # rows x inputs
-        sc = self.qs[:, :, 256:].contiguous().view(torch.float16).float()        # [t, b, 32]
-        d = sc[..., :TILE_ROWS].permute(0, 2, 1).reshape(t * TILE_ROWS, g)
-        m = sc[..., TILE_ROWS:].permute(0, 2, 1).reshape(t * TILE_ROWS, g)
-        w = q.view(-1, g, BLOCK) * d[..., None] + m[..., None]
-        return w.reshape(t * TILE_ROWS, g * BLOCK)[: self.rows, : self.cols].contiguous()
+def _tile_parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tq4 weight's (codes uint8 (rows, Kp), d f16 (rows, nb), m f16 (rows, nb))."""
+    g = padded(w.cols) // BLOCK
+    t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
+    qs = w.qs.reshape(t, g, TILE_BLOCK_BYTES)
+    codes = qs[:, :, :256].reshape(t, g, 4, TILE_ROWS, 4)                      # [t, b, l, i, c]
+    q = torch.stack([codes & 15, codes >> 4], dim=-2)                         # [t, b, l, i, half, c]
+    q = q.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE_ROWS, g * BLOCK)[: w.rows]  # rows x inputs
+    sc = qs[:, :, 256:].contiguous().view(torch.float16)                     # [t, b, 32]
+    d = sc[..., :TILE_ROWS].permute(0, 2, 1).reshape(t * TILE_ROWS, g)[: w.rows]
+    m = sc[..., TILE_ROWS:].permute(0, 2, 1).reshape(t * TILE_ROWS, g)[: w.rows]
+    return q.contiguous(), d.contiguous(), m.contiguous()
 
 
-def to_tiles(w: QWeight) -> TileWeight:
-    """The `TileWeight` of a row-major q4 weight: the same values, 16 rows interleaved."""
+def to_tiles(w: QWeight, out: torch.Tensor | None = None) -> QWeight:
+    """The tq4 weight of a row-major q4 weight: the same values, 16 rows interleaved (written
+    into `out`, uint8 of `tiles_shape(rows, cols)`, when given: e.g. a buffer on huge pages)."""
     if w.fmt != "q4" or w.m is None:
         raise ValueError(f"row-tiled weights are made from q4 weights, not {w.fmt}")
     g = padded(w.cols) // BLOCK
     t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
-    q = torch.zeros(t * TILE_ROWS, g * BLOCK, dtype=torch.uint8)
-    q[: w.rows] = unpack_nibbles(w.qs[:, : g * BLOCK // 2])
-    q = q.view(t, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)               # [t, b, l, i, c, half]
-    codes = (q[..., 0] | (q[..., 1] << 4)).reshape(t, g, 256)
+    if out is None:
+        out = torch.empty(tiles_shape(w.rows, w.cols), dtype=torch.uint8)
+    if tuple(out.shape) != tiles_shape(w.rows, w.cols) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"tile buffer must be contiguous uint8 {tiles_shape(w.rows, w.cols)}")
+    o = out.view(t, g, TILE_BLOCK_BYTES)
+    step = max(1, 4096 // TILE_ROWS)  # tiles at a time: bounded temporaries for large matrices
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        r0, r1 = a * TILE_ROWS, min(w.rows, b * TILE_ROWS)
+        q = torch.zeros((b - a) * TILE_ROWS, g * BLOCK, dtype=torch.uint8)
+        q[: r1 - r0] = unpack_nibbles(w.qs[r0:r1, : g * BLOCK // 2])
+        q = q.view(b - a, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)      # [t, b, l, i, c, half]
+        o[a:b, :, :256] = (q[..., 0] | (q[..., 1] << 4)).reshape(b - a, g, 256)
+        for k, x in enumerate((w.d, w.m)):
+            v = torch.zeros((b - a) * TILE_ROWS, g, dtype=torch.float16)
+            v[: r1 - r0] = x[r0:r1, :g].to(torch.float16)
+            o[a:b, :, 256 + 32 * k: 288 + 32 * k] = v.view(b - a, TILE_ROWS, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return QWeight("tq4", w.rows, w.cols, out)
 
-    def scales(x):
-        v = torch.zeros(t * TILE_ROWS, g, dtype=torch.float16)
-        v[: w.rows] = x[:, :g].to(torch.float16)
-        return v.view(t, TILE_ROWS, g).permute(0, 2, 1).contiguous().view(torch.uint8)  # [t, b, 32 bytes]
 
-    return TileWeight(w.rows, w.cols, torch.cat([codes, scales(w.d), scales(w.m)], dim=-1).contiguous())
+def tiles_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The shape of a tq4 weight's qs: (tiles, blocks * 320)."""
+    return ((rows + TILE_ROWS - 1) // TILE_ROWS, padded(cols) // BLOCK * TILE_BLOCK_BYTES)
+
+
+def from_tiles(w: QWeight) -> QWeight:
+    """The row-major q4 weight of a tq4 weight (exactly the same values)."""
+    q, d, m = _tile_parts(w)
+    return QWeight("q4", w.rows, w.cols, pack_nibbles(q), d, m)
+
+
+def row_major(w: QWeight) -> QWeight:
+    """`w` with addressable rows: tq4 as q4, every other format as it is."""
+    return from_tiles(w) if w.fmt == "tq4" else w
 
 
 def dequantize(w: QWeight) -> torch.Tensor:
@@ -446,6 +461,8 @@ def dequantize(w: QWeight) -> torch.Tensor:
     if w.fmt == "q4k":
         q, step, off = q4k_affine(w)
         return (q.float().view(w.rows, -1, BLOCK) * step[..., None] + off[..., None]).view(w.rows, w.cols)
+    if w.fmt == "tq4":
+        return dequantize(from_tiles(w))
     if w.fmt == "q8":
         q = w.qs.float()
     elif w.fmt == "q4":

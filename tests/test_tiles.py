@@ -1,14 +1,15 @@
-"""Row-tiled q4 weights (`quant.TileWeight`) and the dense product on them (`cpu.gemv_tiles`,
-the output head preview's product): the layout holds exactly the row-major q4 values; the fast
-kernel on every SIMD level equals the float64 reference with its int8 rounding of x reproduced
-(summation order aside) and gives bit-identical results for any thread count.  Also the
-candidate selection `cpu.select_ids` against its torch reference."""
+"""Row-tiled q4 weights (format tq4, `quant.to_tiles`) and the dense products on them
+(`cpu.gemv` / `cpu.matmul`; `cpu.gemv_int8` for the output head preview): the layout holds
+exactly the row-major q4 values; the fast kernels on every SIMD level and in both activation
+modes equal the float64 reference with the rounding of x reproduced (summation order aside),
+give a prompt's rows the one-token numbers bit for bit and the same results for any thread
+count.  Also the candidate selection `cpu.select_ids` against its torch reference."""
 import pytest
 import torch
 
 from sparseinfer.kernels import cpu
 from sparseinfer.kernels import reference as ref
-from sparseinfer.quant import TileWeight, from_float, to_tiles
+from sparseinfer.quant import QWeight, from_float, from_tiles, to_tiles
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels not built")
 
@@ -41,7 +42,7 @@ def test_layout_places_one_known_code():
     x = torch.zeros(40, 64)
     x[16 + 5, 32 + 8 * 2 + 4 + 3] = 1.0        # t=1, i=5, b=1, l=2, high nibble, c=3
     tw = to_tiles(from_float(x, "q4"))
-    byte = int(tw.qs[1, 1, 64 * 2 + 4 * 5 + 3])
+    byte = int(tw.qs[1, 320 + 64 * 2 + 4 * 5 + 3])
     assert byte >> 4 == 15 and abs(float(tw.dequantize()[21, 32 + 23]) - 1.0) < 1e-3
 
 
@@ -56,64 +57,115 @@ def test_only_q4_converts():
         to_tiles(from_float(torch.randn(64, 32), "q8"))
 
 
+MODES = ("int8", "precise")
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows,cols", SHAPES)
-def test_gemv_tiles_matches_the_reference(level, rows, cols):
+def test_gemv_matches_the_reference(level, mode, rows, cols):
+    cpu.set_activation_mode(mode)
     tw = to_tiles(weight(rows, cols))
     for seed in (1, 2):
         x = vec(cols, seed)
-        y = cpu.gemv_tiles(tw, x)
-        emu = ref.gemv_tiles(tw, x)
-        # float summation order only: 1e-5 of the sum of |terms|
-        xr = ref.activation_rounded(x).reshape(-1)[:cols].abs()
-        bound = 1e-5 * (tw.dequantize().abs().double() @ xr) + 1e-6
-        assert ((y.double() - emu).abs() <= bound).all(), (level, seed)
-        # and within the int8 rounding of x of the exact product
+        y = cpu.gemv(tw, x)
+        emu = ref.gemv_emulated(tw, x, mode)
+        # float summation order only (the reference's contract for the integer formats)
+        xr = ref.activation_rounded(x, mode).reshape(-1)[:cols].abs()
+        bound = 1e-5 * (ref.magnitude(tw) @ xr) + 1e-6
+        assert ((y.double() - emu).abs() <= bound).all(), (level, mode, seed)
+        # and within the activation rounding of the exact product
         exact = tw.dequantize().double() @ x.double()
-        amax = torch.nn.functional.pad(x.abs(), (0, -cols % 32)).view(-1, 32).amax(-1)
-        step = (amax / 127).repeat_interleave(32)[:cols].double()
-        assert ((y.double() - exact).abs() <= tw.dequantize().abs().double() @ step / 2 + 1e-4).all()
+        assert ((y.double() - exact).abs() <= ref.error_bound(tw, x, mode) + 1e-5).all()
 
 
-def test_gemv_tiles_of_zeros(level):
+@pytest.mark.parametrize("mode", MODES)
+def test_matmul_rows_equal_the_gemv(level, mode):
+    """A prompt's rows get exactly the one-token numbers (the kernels' determinism contract),
+    for token counts that fill the kernels' groups of 4 and not, and a partial last tile."""
+    cpu.set_activation_mode(mode)
+    tw = to_tiles(weight(330, 200))
+    for m in (1, 2, 3, 4, 5, 9, 17, 70):
+        x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m))
+        y = cpu.matmul(tw, x)
+        for t in range(m):
+            assert torch.equal(y[t], cpu.gemv(tw, x[t])), (level, mode, m, t)
+
+
+def test_gemv_of_zeros(level):
     tw = to_tiles(weight(48, 64))
-    assert torch.equal(cpu.gemv_tiles(tw, torch.zeros(64)), torch.zeros(48))
+    assert torch.equal(cpu.gemv(tw, torch.zeros(64)), torch.zeros(48))
 
 
-def test_gemv_tiles_thread_count_independent(threads):
-    tw = to_tiles(weight(20000, 256))
-    x = vec(256)
+@pytest.mark.parametrize("m", [1, 40])
+def test_thread_count_independent(threads, m):
+    tw = to_tiles(weight(20000, 256) if m == 1 else weight(3000, 256))
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(3))
     outs = []
     for n in (1, 2, 3):
         threads(n)
-        outs.append(cpu.gemv_tiles(tw, x))
+        outs.append(cpu.matmul(tw, x))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_gemv_tiles_levels_agree(level):
+def test_levels_agree(level):
     """Every level sums the same exact integers per block: the results match the portable
     level to float rounding of the final multiply-adds."""
     tw = to_tiles(weight(330, 200))
     x = vec(200)
-    y = cpu.gemv_tiles(tw, x)
+    y = cpu.gemv(tw, x)
     old = cpu.simd_level()
     cpu._cpu.set_simd_level("scalar")
     try:
-        y0 = cpu.gemv_tiles(tw, x)
+        y0 = cpu.gemv(tw, x)
     finally:
         cpu._cpu.set_simd_level(old)
     assert torch.allclose(y, y0, rtol=1e-6, atol=1e-5)
 
 
-def test_gemv_tiles_rejects_bad_inputs():
+def test_gemv_int8_is_one_term_in_any_mode(level):
+    tw = to_tiles(weight(100, 96))
+    x = vec(96)
+    cpu.set_activation_mode("int8")
+    y = cpu.gemv(tw, x)
+    assert torch.equal(cpu.gemv_int8(tw, x), y)
+    cpu.set_activation_mode("precise")
+    assert torch.equal(cpu.gemv_int8(tw, x), y)
+    with pytest.raises(ValueError, match="tq4"):
+        cpu.gemv_int8(weight(100, 96), x)
+
+
+def test_float_paths_and_rows(level):
+    """The prompt's float32 GEMM on dequantized slices and row selection read the same values."""
+    w = weight(70, 96)
+    tw = to_tiles(w)
+    assert torch.equal(cpu.dequantize_rows(tw, 3, 50), w.dequantize()[3:50])
+    x = torch.randn(5, 96)
+    assert torch.allclose(cpu.matmul_f32(tw, x), cpu.matmul_f32(w, x))
+    idx = torch.tensor([69, 0, 17, 17, 33])
+    got = tw.select_rows(idx)
+    assert got.fmt == "q4" and torch.equal(got.dequantize(), w.select_rows(idx).dequantize())
+    back = from_tiles(tw)
+    assert torch.equal(back.qs, w.qs) and torch.equal(back.d, w.d) and torch.equal(back.m, w.m)
+
+
+def test_row_sparse_kernels_refuse_tiles():
+    tw = to_tiles(weight(64, 64))
+    with pytest.raises(ValueError, match="row-tiled"):
+        cpu.gemv_rows(tw, torch.randn(64), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="row-tiled"):
+        cpu.axpy_rows(tw, torch.randn(2), torch.tensor([1, 2]))
+
+
+def test_rejects_bad_inputs():
     tw = to_tiles(weight(40, 64))
     with pytest.raises(ValueError):
-        cpu.gemv_tiles(tw, torch.randn(63))
+        cpu.gemv(tw, torch.randn(63))
     with pytest.raises(ValueError):
-        cpu.gemv_tiles(TileWeight(tw.rows, tw.cols, tw.qs[:, :, :-1].contiguous()), torch.randn(64))
+        cpu.gemv(QWeight("tq4", tw.rows, tw.cols, tw.qs[:, :-1].contiguous()), torch.randn(64))
     with pytest.raises(ValueError):
-        cpu.gemv_tiles(TileWeight(tw.rows + 16, tw.cols, tw.qs), torch.randn(64))
+        cpu.gemv(QWeight("tq4", tw.rows + 16, tw.cols, tw.qs), torch.randn(64))
     with pytest.raises(ValueError):
-        cpu.gemv_tiles(weight(40, 64), torch.randn(64))
+        cpu.gemv(QWeight("tq4", tw.rows, tw.cols, tw.qs, torch.zeros(40, 2, dtype=torch.float16)), torch.randn(64))
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 151936])

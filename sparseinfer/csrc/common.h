@@ -14,6 +14,10 @@
  *       nibbles: bytes 32c..32c+31 hold values 64c..64c+31 in their low nibbles and values
  *       64c+32..64c+63 in their high nibbles.  d, m are NULL.
  *       value j of sub-block i (32 values) = d*sc[i]*q - dmin*mn[i].  Uses XL_Q8K activations.
+ *   tq4: q4's values in row tiles of 16 rows (tiles.c has the layout): tile t is nb blocks of
+ *       TQ4_BLOCK_BYTES, codes and the 16 rows' f16 d and m together, at qs + t*nb*320.
+ *       row_bytes = 20*nb is a row's share (tiles are not row-addressable: only whole-matrix
+ *       products, si_gemv / si_matmul, take it); d, m are NULL.  Uses XL_NATURAL activations.
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
  *   Rows may be strided (`row_bytes`, `ds` above the natural widths): the neuron records of
  *   a SparseFFN keep one neuron's gate, up and down_t rows and scales in one contiguous block,
@@ -57,7 +61,8 @@
 #define SI_ARM 0
 #endif
 
-enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_Q4K = 6, FMT_COUNT = 7 };
+enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_Q4K = 6, FMT_TQ4 = 7,
+       FMT_COUNT = 8 };
 enum { XL_NATURAL = 0, XL_Q4 = 1, XL_Q8K = 2 };
 #define SI_Q4K_BYTES 144 /* one q4k super-block */
 /* KV cache element types (si_attn_plan_t.kv_type; sparseinfer/kv_cache.py is the authority).
@@ -96,14 +101,10 @@ typedef struct {
     const uint16_t *d, *m;
 } cmat_t;
 
-/* A row-tiled q4 weight (tiles.c has the layout): rows x cols in tiles of 16 rows, each tile
- * g = ceil(cols/32) blocks of TQ4_BLOCK_BYTES (codes, then f16 d and m of its 16 rows). */
+/* Row-tiled q4 (FMT_TQ4, tiles.c has the layout): 16 rows per tile, TQ4_BLOCK_BYTES per tile
+ * and block of 32 inputs (codes, then the 16 rows' f16 d and m). */
 #define TQ4_ROWS 16
 #define TQ4_BLOCK_BYTES 320
-typedef struct {
-    int64_t rows, cols, g, ntiles;
-    const uint8_t *qs;
-} tmat_t;
 
 /* T quantized activation vectors, token t at q + t*q_stride etc. */
 typedef struct {
@@ -171,11 +172,11 @@ typedef struct {
      * y[r] += dx * d[r] * sum_j q_j * code(r, j) + m[r] * sx for r < Np; NULL: the portable version */
     void (*cols_group)(const uint8_t *const *p, const uint32_t *xw, int nq, int64_t Np, const uint16_t *d,
                        const uint16_t *m, float dx, float sx, float *y);
-    /* row-tiled q4 (tiles.c): tiles [t0, t1) of w against one token quantized in XL_NATURAL
-     * (q: int8 per column, d and s per block of 32); y[16 (t - t0) + i] = row 16t + i;
-     * NULL: the portable version */
-    void (*tiles_q4)(const tmat_t *w, int64_t t0, int64_t t1, const int8_t *q, const float *d, const float *s,
-                     float *y);
+    /* row-tiled q4 (tiles.c): tiles [t0, t1) of w (FMT_TQ4) against T tokens quantized in
+     * XL_NATURAL (with xq->pair, token t's two terms are virtual tokens 2t and 2t+1 and both go
+     * into its sum); row 16 * tile + i of token t goes to y[t * yst + 16 (tile - t0) + i];
+     * every (row, token) is computed the same way for any T.  NULL: the portable version */
+    void (*tiles_q4)(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst);
 } kernels_t;
 
 /* Products of up to this many tokens (batched decode: one token of each of a few sequences)

@@ -1064,38 +1064,61 @@ static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int6
 
 /* ---------------------------------------------------------- row-tiled q4 (tiles.c) */
 
-/* Tiles [t0, t1): per block, four 64-byte lines each give two 4-way byte dot products (low
- * nibbles: inputs 8l..8l+3, high: 8l+4..8l+7, against those inputs broadcast), leaving the
- * block's sum of each of the 16 rows in its lane; then d_x d and m s in float.  Even and odd
- * blocks go to two accumulators (two fma chains), added at the end.  u8 x s8 pairs summed to
- * i16 never saturate (2 * 15 * 127 < 32767). */
-static void tiles_q4(const tmat_t *w, int64_t t0, int64_t t1, const int8_t *q, const float *d, const float *s,
-                     float *y) {
-    const int64_t G = w->g;
+/* Per block, four 64-byte lines each give two 4-way byte dot products (low nibbles: inputs
+ * 8l..8l+3, high: 8l+4..8l+7, against those inputs broadcast), leaving the block's sum of each
+ * of the 16 rows in its lane; then d_x d and m s in float.  Even and odd blocks go to two
+ * accumulators (two fma chains), added at the end.  u8 x s8 pairs summed to i16 never
+ * saturate (2 * 15 * 127 < 32767).  KN tokens (1..4) of one tile at a time: each block's lines
+ * are unpacked once for all of them; P = 1: each token's two activation terms (pair mode) in
+ * turn into its sum.  A token's operations are the same for any KN. */
+AI void tiles_q4_tok(const uint8_t *tp, int64_t G, const xq_t *xq, int64_t k0, const int KN, const int P, float *y,
+                     int64_t yst) {
     const __m512i m15 = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
+    __m512 acc[4][2];
+    for (int k = 0; k < KN; k++) acc[k][0] = acc[k][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < G; b++) {
+        const uint8_t *bp = tp + b * TQ4_BLOCK_BYTES;
+        for (int o = 0; o < TQ4_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + o), _MM_HINT_T0);
+        __m512i lo[4], hi[4];
+        for (int l = 0; l < 4; l++) {
+            const __m512i v = _mm512_loadu_si512(bp + 64 * l);
+            lo[l] = _mm512_and_si512(v, m15);
+            hi[l] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        }
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 256)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 288)));
+        for (int k = 0; k < KN; k++)
+            for (int h = 0; h <= P; h++) {
+                const int64_t v = ((k0 + k) << P) + h;
+                const int32_t *xw = (const int32_t *)(xq->q + v * xq->q_stride + 32 * b);
+                __m512i slo = z, shi = z;
+                for (int l = 0; l < 4; l++) {
+                    slo = DP512(slo, lo[l], _mm512_set1_epi32(xw[2 * l]));
+                    shi = DP512(shi, hi[l], _mm512_set1_epi32(xw[2 * l + 1]));
+                }
+                const float dx = xq->d[v * xq->d_stride + b], sx = xq->s[v * xq->d_stride + b];
+                const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(slo, shi)),
+                                                 _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[k][b & 1]);
+                acc[k][b & 1] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx), a);
+            }
+    }
+    for (int k = 0; k < KN; k++) _mm512_storeu_ps(y + (k0 + k) * yst, _mm512_add_ps(acc[k][0], acc[k][1]));
+}
+
+static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
+    const int64_t G = w->nb;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tp = w->qs + t * G * TQ4_BLOCK_BYTES;
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t b = 0; b < G; b++) {
-            const uint8_t *bp = tp + b * TQ4_BLOCK_BYTES;
-            _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES), _MM_HINT_T0);
-            _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + 192), _MM_HINT_T0);
-            _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + 256), _MM_HINT_T0);
-            const int32_t *xw = (const int32_t *)(q + 32 * b);
-            __m512i slo = z, shi = z;
-            for (int l = 0; l < 4; l++) {
-                const __m512i v = _mm512_loadu_si512(bp + 64 * l);
-                slo = DP512(slo, _mm512_and_si512(v, m15), _mm512_set1_epi32(xw[2 * l]));
-                shi = DP512(shi, _mm512_and_si512(_mm512_srli_epi16(v, 4), m15), _mm512_set1_epi32(xw[2 * l + 1]));
+        float *yt = y + TQ4_ROWS * (t - t0);
+        for (int64_t k0 = 0; k0 < T; k0 += 4) {
+            const int64_t kn = T - k0 < 4 ? T - k0 : 4;
+#define TOK(KN, P) tiles_q4_tok(tp, G, xq, k0, KN, P, yt, yst)
+            if (xq->pair) {
+                if (kn == 4) TOK(4, 1); else if (kn == 3) TOK(3, 1); else if (kn == 2) TOK(2, 1); else TOK(1, 1);
+            } else {
+                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
             }
-            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 256)));
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 288)));
-            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(slo, shi)),
-                                       _mm512_mul_ps(dv, _mm512_set1_ps(d[b])), acc[b & 1]);
-            acc[b & 1] = _mm512_fmadd_ps(mv, _mm512_set1_ps(s[b]), a);
+#undef TOK
         }
-        _mm512_storeu_ps(y + TQ4_ROWS * (t - t0), _mm512_add_ps(acc[0], acc[1]));
     }
 }

@@ -66,8 +66,17 @@ static int get_qmat(PyObject *o, qmat_t *w, int allow_none, int *is_none) {
     return 0;
 }
 
+/* row-tiled (tq4) weights are read only whole (gemv, matmul): row lists need row-major rows */
+static int rows_fmt_ok(const qmat_t *w, const char *what) {
+    if (w->fmt != FMT_TQ4) return 1;
+    PyErr_Format(PyExc_ValueError, "%s: row-tiled (tq4) weights have no row-sparse kernels; use the row-major q4 "
+                 "weight (quant.from_tiles(w))", what);
+    return 0;
+}
+
 /* the column-sparse kernels (axpy over neuron-major rows) take f32/f16/bf16/q8/q4 */
 static int axpy_fmt_ok(const qmat_t *w, const char *what) {
+    if (!rows_fmt_ok(w, what)) return 0;
     if (w->fmt != FMT_Q6 && w->fmt != FMT_Q4K) return 1;
     PyErr_Format(PyExc_ValueError, "%s: %s weights have no column-sparse (axpy) kernel; store the neuron-major "
                  "matrix as q8 (from_float(w.dequantize(), \"q8\"))", what, w->fmt == FMT_Q6 ? "q6" : "q4k");
@@ -123,6 +132,7 @@ static PyObject *py_gemv_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     if (!nargs_ok(na, 5, "gemv_rows") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &x) || get_ptr(a[2], &idx) ||
         get_i64(a[3], &n) || get_ptr(a[4], &y))
         return NULL;
+    if (!rows_fmt_ok(&w, "gemv_rows")) return NULL;
     if (n <= 0) Py_RETURN_NONE;
     if (!x || !idx || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
     if (check_rows(idx, n, w.rows)) return NULL;
@@ -150,19 +160,16 @@ static PyObject *py_axpy_rows(PyObject *self, PyObject *const *a, Py_ssize_t na)
     Py_RETURN_NONE;
 }
 
-/* gemv_tiles(rows, cols, qs, x, y): a row-tiled q4 weight (tiles.c); the caller
- * (sparseinfer/kernels/cpu.py) has checked the buffers' sizes */
-static PyObject *py_gemv_tiles(PyObject *self, PyObject *const *a, Py_ssize_t na) {
-    tmat_t w;
-    int64_t rows, cols;
-    void *qs, *x, *y;
-    if (!nargs_ok(na, 5, "gemv_tiles") || get_i64(a[0], &rows) || get_i64(a[1], &cols) || get_ptr(a[2], &qs) ||
-        get_ptr(a[3], &x) || get_ptr(a[4], &y))
-        return NULL;
-    if (si_tmat_init(&w, rows, cols, qs) != 0 || !x || !y)
-        return PyErr_Format(PyExc_ValueError, "invalid row-tiled weight or null pointer");
+/* gemv_int8(w, x, y): a tq4 weight, x in one int8 term whatever the activation mode */
+static PyObject *py_gemv_int8(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    qmat_t w;
+    void *x, *y;
+    if (!nargs_ok(n, 3, "gemv_int8") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &x) || get_ptr(a[2], &y)) return NULL;
+    if (w.fmt != FMT_TQ4) return PyErr_Format(PyExc_ValueError, "gemv_int8 takes row-tiled (tq4) weights");
+    if (w.rows == 0) Py_RETURN_NONE;
+    if (!x || !y) return PyErr_Format(PyExc_ValueError, "null data pointer");
     Py_BEGIN_ALLOW_THREADS
-    si_gemv_tiles(&w, x, y);
+    si_gemv_tiles_int8(&w, x, y);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -254,7 +261,8 @@ static PyObject *py_sparse_ffn(PyObject *self, PyObject *const *a, Py_ssize_t na
     if (act < 0 || act >= ACT_COUNT) return PyErr_Format(PyExc_ValueError, "unknown activation code %lld", (long long)act);
     if (!gnone && (g.rows != u.rows || g.cols != u.cols))
         return PyErr_Format(PyExc_ValueError, "gate and up shapes differ");
-    if (!axpy_fmt_ok(&dn, "sparse_ffn down_t")) return NULL;
+    if (!axpy_fmt_ok(&dn, "sparse_ffn down_t") || !rows_fmt_ok(&u, "sparse_ffn") || (!gnone && !rows_fmt_ok(&g, "sparse_ffn")))
+        return NULL;
     if (dn.rows != u.rows) return PyErr_Format(PyExc_ValueError, "down_t must have one row per neuron (%lld), has %lld",
                                                (long long)u.rows, (long long)dn.rows);
     if (!x || !y || (n > 0 && !idx)) return PyErr_Format(PyExc_ValueError, "null data pointer");
@@ -699,7 +707,7 @@ static PyMethodDef methods[] = {
     {"gemv", (PyCFunction)(void (*)(void))py_gemv, METH_FASTCALL, "gemv(w, x, y)"},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
-    {"gemv_tiles", (PyCFunction)(void (*)(void))py_gemv_tiles, METH_FASTCALL, "row-tiled q4 product"},
+    {"gemv_int8", (PyCFunction)(void (*)(void))py_gemv_int8, METH_FASTCALL, "gemv_int8(w, x, y): tq4, one int8 term"},
     {"select_ids", (PyCFunction)(void (*)(void))py_select_ids, METH_FASTCALL, "ids at or above a threshold, or listed"},
     {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
     {"gemv_cols_list", (PyCFunction)(void (*)(void))py_gemv_cols_list, METH_FASTCALL, "column-grouped q4 product over listed inputs"},
@@ -750,6 +758,7 @@ PyMODINIT_FUNC PyInit__cpu(void) {
     PyModule_AddIntConstant(mod, "FMT_Q4", FMT_Q4);
     PyModule_AddIntConstant(mod, "FMT_Q6", FMT_Q6);
     PyModule_AddIntConstant(mod, "FMT_Q4K", FMT_Q4K);
+    PyModule_AddIntConstant(mod, "FMT_TQ4", FMT_TQ4);
     PyModule_AddIntConstant(mod, "XL_NATURAL", XL_NATURAL);
     PyModule_AddIntConstant(mod, "XL_Q4", XL_Q4);
     PyModule_AddIntConstant(mod, "ACT_INT8", ACT_INT8);

@@ -27,9 +27,9 @@ int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const vo
 int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y);
 /* y = sum_j h[j] * W[:, idx[j]] for the n inputs idx, ascending and distinct (cols.c) */
 void si_gemv_cols_list(const cmat_t *w, const float *h, const int32_t *idx, int64_t n, float *y);
-/* y = W x on a row-tiled q4 weight (tiles.c), x quantized to int8 per block of 32 */
-int si_tmat_init(tmat_t *w, int64_t rows, int64_t cols, const void *qs);
-void si_gemv_tiles(const tmat_t *w, const float *x, float *y);
+/* y = W x on a tq4 weight with x in one int8 term whatever the activation mode (tiles.c: for
+ * approximations, e.g. the output head's preview) */
+void si_gemv_tiles_int8(const qmat_t *w, const float *x, float *y);
 /* the ids i < n with p[i] >= thr or listed in extra (ids outside [0, n) ignored), ascending
  * and distinct, into out (room for n); returns how many, *n_thr how many had p[i] >= thr (sparse.c) */
 int64_t si_select_ids(const float *p, int64_t n, float thr, const int64_t *extra, int64_t n_extra, int32_t *out,

@@ -77,4 +77,12 @@ void si_quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, 
  * use activation scratch slot xslot (and 8 + xslot for tile packing). */
 void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, int64_t T, yout_t out, int xslot);
 
+/* ------------------------------------------------------------- row-tiled q4 (tiles.c) */
+
+/* y[i + t*ldy] = row i of a FMT_TQ4 weight . token t, for all rows and T tokens quantized in
+ * xq (XL_NATURAL; T real tokens, pairs in precise mode); tchunk tokens at a time */
+void si_tiles_dots(const qmat_t *w, const xq_t *xq, int64_t T, int64_t tchunk, float *y, int64_t ldy);
+/* row r of a FMT_TQ4 weight in float32 (cols values), the reference's d*q + m */
+void si_tq4_row(const qmat_t *w, int64_t r, float *o);
+
 #endif

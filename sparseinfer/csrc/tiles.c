@@ -1,27 +1,31 @@
-/* Dense products on row-tiled q4 weights: y = W x for matrices whose rows are short (a few
- * hundred inputs: the output head's low-rank preview, vocab x rank).
+/* Dense products on row-tiled q4 weights (format tq4): y = W x for one token or many.
  *
- * Why a third layout: the row-major kernels (dense.c) reduce each row's sum across a vector
- * at its end and walk up to 8 rows as separate streams with their scales in other arrays;
- * on rows of 256 inputs (128 bytes of codes) that per-row work, not memory, sets the pace.
- * Here 16 rows are interleaved so that one 64-byte line holds 4 inputs of each of the 16 rows:
- * a 4-way byte dot product against the broadcast inputs leaves one row's sum per lane, no
- * reduction, and a tile is one contiguous stream, its scales included.
+ * Why a layout of its own: the row-major kernels (dense.c) reduce each row's sum across a
+ * vector at its end, expand each 64-byte step's four block scales to the dot-product lanes
+ * and walk up to 8 rows as separate streams with their scales in other arrays; on AMD Zen 4
+ * that per-step work, not memory, sets the pace of a one-token product.  Here 16 rows are
+ * interleaved so that one 64-byte line holds 4 inputs of each of the 16 rows: a 4-way byte
+ * dot product against the broadcast inputs leaves one row's sum per lane, no reduction, one
+ * scale multiply per block of 32 inputs for 16 rows, and a tile is one contiguous stream, its
+ * scales included.  Rows are not addressable on their own, so row-sparse products need the
+ * row-major q4 (sparseinfer/quant.py `from_tiles`).
  *
- * Layout (tmat_t, sparseinfer/quant.py `to_tiles` is the authority): W has N rows and K
- * columns; G = ceil(K/32) blocks of 32 inputs; ntiles = ceil(N/16).  The values are exactly
- * our row-major q4's: value(r, j) = d[r][b] * q + m[r][b], q in 0..15, b = j / 32, d and m f16.
+ * Layout (sparseinfer/quant.py `to_tiles` is the authority): W has N rows and K columns;
+ * G = nb = ceil(K/32) blocks of 32 inputs; ntiles = ceil(N/16).  The values are exactly the
+ * row-major q4's: value(r, j) = d[r][b] * q + m[r][b], q in 0..15, b = j / 32, d and m f16.
  * Tile t, block b is TQ4_BLOCK_BYTES = 320 bytes at qs + (t * G + b) * 320: four lines of 64
  * bytes, then the 16 rows' d (32 bytes), then their m (32 bytes).  In line l, byte 4i + c holds
  * row 16t + i, input 32b + 8l + c in its low nibble and input 32b + 8l + 4 + c in its high
  * nibble (i < 16, c < 4).  Padding rows and columns hold q = 0 with d = m = 0.
  *
- * The token is quantized as for the q8 kernels (XL_NATURAL: int8 per input, d_x and
- * s = d_x * sum(q_x) per block), always one int8 term (the precise activation mode's second
- * term is not applied: these products feed approximations), and a block contributes
+ * The tokens are quantized as for the q8 kernels (XL_NATURAL: int8 per input, d_x and
+ * s = d_x * sum(q_x) per block; in the precise activation mode two terms per token), and a
+ * block contributes, per term,
  *   y[r] += d_x d[r][b] sum_j q_x[j] q[r][j]  +  m[r][b] s[b]
- * with the integer sums exact.  Each tile is computed by one kernel call in a fixed order,
- * so the result does not depend on the thread count. */
+ * with the integer sums exact, blocks in order into two alternating float accumulators that
+ * are added at the end.  Each (tile, token) is computed by one kernel call in that fixed
+ * order for any number of tokens, so the result depends neither on the thread count nor on
+ * how many tokens share the call (a prompt row equals the one-token product). */
 #define _GNU_SOURCE
 #include "ops_internal.h"
 
@@ -35,69 +39,105 @@ static int tq4_code(const uint8_t *bp, int i, int c) {
     return k < 4 ? v & 15 : v >> 4;
 }
 
-static void tiles_q4_portable(const tmat_t *w, int64_t t0, int64_t t1, const int8_t *q, const float *d,
-                              const float *s, float *y) {
-    for (int64_t t = t0; t < t1; t++)
-        for (int i = 0; i < TQ4_ROWS; i++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < w->g; b++) {
-                const uint8_t *bp = w->qs + (t * w->g + b) * TQ4_BLOCK_BYTES;
-                uint16_t dh, mh;
-                memcpy(&dh, bp + 256 + 2 * i, 2);
-                memcpy(&mh, bp + 288 + 2 * i, 2);
-                int32_t sum = 0;
-                for (int c = 0; c < 32; c++) sum += (int32_t)q[32 * b + c] * tq4_code(bp, i, c);
-                acc += (float)sum * (si_h2f(dh) * d[b]) + si_h2f(mh) * s[b];
-            }
-            y[TQ4_ROWS * (t - t0) + i] = acc;
-        }
-}
-
-typedef struct {
-    const tmat_t *w;
-    void (*fn)(const tmat_t *, int64_t, int64_t, const int8_t *, const float *, const float *, float *);
-    const int8_t *q;
-    const float *d, *s;
-    int64_t chunk;
-    float *y;
-} tiles_ctx;
-
-static void tiles_task(void *p, int64_t c) {
-    const tiles_ctx *a = p;
-    const tmat_t *w = a->w;
-    const int64_t t0 = c * a->chunk, t1 = t0 + a->chunk < w->ntiles ? t0 + a->chunk : w->ntiles;
-    const int64_t full = w->rows / TQ4_ROWS; /* tiles whose 16 rows all exist */
-    const int64_t tf = t1 < full ? t1 : full > t0 ? full : t0;
-    if (tf > t0) a->fn(w, t0, tf, a->q, a->d, a->s, a->y + TQ4_ROWS * t0);
-    if (t1 > tf) { /* the last tile, partly padding */
-        float tmp[TQ4_ROWS];
-        a->fn(w, tf, t1, a->q, a->d, a->s, tmp);
-        memcpy(a->y + TQ4_ROWS * tf, tmp, (size_t)(w->rows - TQ4_ROWS * tf) * sizeof(float));
+void si_tq4_row(const qmat_t *w, int64_t r, float *o) {
+    const int64_t t = r / TQ4_ROWS;
+    const int i = (int)(r % TQ4_ROWS);
+    for (int64_t b = 0; b < w->nb; b++) {
+        const uint8_t *bp = w->qs + (t * w->nb + b) * TQ4_BLOCK_BYTES;
+        uint16_t dh, mh;
+        memcpy(&dh, bp + 256 + 2 * i, 2);
+        memcpy(&mh, bp + 288 + 2 * i, 2);
+        const float d = si_h2f(dh), m = si_h2f(mh);
+        for (int c = 0; c < 32 && 32 * b + c < w->cols; c++) o[32 * b + c] = d * (float)tq4_code(bp, i, c) + m;
     }
 }
 
-void si_gemv_tiles(const tmat_t *w, const float *x, float *y) {
-    const kernels_t *k = si_kern();
-    const int64_t kp = w->g * 32;
-    xq_t xq;
-    if (si_xq_alloc(&xq, 0, XL_NATURAL, kp, 1) != 0) abort();
-    /* the level's quantizer directly: one int8 term whatever the activation mode (see above) */
-    k->quantize(x, w->cols, kp, 0, 1, &xq);
-    /* about 4 chunks per thread, >= ~32 KB each (row_chunk's reasoning, in tiles) */
-    const int64_t tile_bytes = w->g * TQ4_BLOCK_BYTES;
-    int64_t chunk = (w->ntiles + 4 * nthreads() - 1) / (4 * nthreads());
-    const int64_t minc = (32768 + tile_bytes - 1) / tile_bytes;
-    if (chunk < minc) chunk = minc;
-    tiles_ctx a = {w, k->tiles_q4 ? k->tiles_q4 : tiles_q4_portable, xq.q, xq.d, xq.s, chunk, y};
-    run(tiles_task, &a, (w->ntiles + chunk - 1) / chunk, w->ntiles * tile_bytes);
+static void tiles_q4_portable(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y,
+                              int64_t yst) {
+    const int P = xq->pair;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t k = 0; k < T; k++)
+            for (int i = 0; i < TQ4_ROWS; i++) {
+                float acc[2] = {0.0f, 0.0f};
+                for (int64_t b = 0; b < w->nb; b++) {
+                    const uint8_t *bp = w->qs + (t * w->nb + b) * TQ4_BLOCK_BYTES;
+                    uint16_t dh, mh;
+                    memcpy(&dh, bp + 256 + 2 * i, 2);
+                    memcpy(&mh, bp + 288 + 2 * i, 2);
+                    for (int h = 0; h <= P; h++) {
+                        const int64_t v = (k << P) + h;
+                        const int8_t *q = xq->q + v * xq->q_stride + 32 * b;
+                        int32_t sum = 0;
+                        for (int c = 0; c < 32; c++) sum += (int32_t)q[c] * tq4_code(bp, i, c);
+                        const float dx = xq->d[v * xq->d_stride + b], sx = xq->s[v * xq->d_stride + b];
+                        acc[b & 1] += (float)sum * (si_h2f(dh) * dx) + si_h2f(mh) * sx;
+                    }
+                }
+                y[k * yst + TQ4_ROWS * (t - t0) + i] = acc[0] + acc[1];
+            }
 }
 
-int si_tmat_init(tmat_t *w, int64_t rows, int64_t cols, const void *qs) {
-    if (rows < 1 || cols < 1 || !qs) return -1;
-    w->rows = rows;
-    w->cols = cols;
-    w->g = (cols + 31) / 32;
-    w->ntiles = (rows + TQ4_ROWS - 1) / TQ4_ROWS;
-    w->qs = qs;
-    return 0;
+typedef struct {
+    const qmat_t *w;
+    void (*fn)(const qmat_t *, int64_t, int64_t, const xq_t *, int64_t, float *, int64_t);
+    const xq_t *xq;
+    int64_t T, tchunk, chunk, ntiles, ldy;
+    float *y;
+} tiles_ctx;
+
+/* tokens [k0, k0 + kn) of xq (real tokens: 2 virtual ones each in pair mode) */
+static xq_t tokens_from(const xq_t *xq, int64_t k0) {
+    xq_t s = *xq;
+    const int64_t v = k0 << xq->pair;
+    s.q += v * s.q_stride;
+    s.d += v * s.d_stride;
+    s.s += v * s.d_stride;
+    return s;
+}
+
+enum { TAIL_TOKENS = 64 }; /* tokens per call for the last, partly padding tile */
+
+static void tiles_task(void *p, int64_t c) {
+    const tiles_ctx *a = p;
+    const qmat_t *w = a->w;
+    const int64_t t0 = c * a->chunk, t1 = t0 + a->chunk < a->ntiles ? t0 + a->chunk : a->ntiles;
+    const int64_t full = w->rows / TQ4_ROWS; /* tiles whose 16 rows all exist */
+    const int64_t tf = t1 < full ? t1 : full > t0 ? full : t0;
+    for (int64_t k0 = 0; k0 < a->T; k0 += a->tchunk) {
+        const int64_t kn = a->T - k0 < a->tchunk ? a->T - k0 : a->tchunk;
+        const xq_t s = tokens_from(a->xq, k0);
+        if (tf > t0) a->fn(w, t0, tf, &s, kn, a->y + k0 * a->ldy + TQ4_ROWS * t0, a->ldy);
+        for (int64_t ka = 0; t1 > tf && ka < kn; ka += TAIL_TOKENS) { /* the last tile, partly padding */
+            float tmp[TQ4_ROWS * TAIL_TOKENS];
+            const int64_t kb = kn - ka < TAIL_TOKENS ? kn - ka : TAIL_TOKENS;
+            const xq_t st = tokens_from(&s, ka);
+            a->fn(w, tf, t1, &st, kb, tmp, TQ4_ROWS);
+            for (int64_t k = 0; k < kb; k++)
+                memcpy(a->y + (k0 + ka + k) * a->ldy + TQ4_ROWS * tf, tmp + TQ4_ROWS * k,
+                       (size_t)(w->rows - TQ4_ROWS * tf) * sizeof(float));
+        }
+    }
+}
+
+void si_tiles_dots(const qmat_t *w, const xq_t *xq, int64_t T, int64_t tchunk, float *y, int64_t ldy) {
+    const kernels_t *k = si_kern();
+    const int64_t ntiles = (w->rows + TQ4_ROWS - 1) / TQ4_ROWS;
+    /* about 4 chunks per thread, >= ~32 KB each (row_chunk's reasoning, in tiles) */
+    const int64_t tile_bytes = w->nb * TQ4_BLOCK_BYTES;
+    int64_t chunk = (ntiles + 4 * nthreads() - 1) / (4 * nthreads());
+    const int64_t minc = (32768 + tile_bytes - 1) / tile_bytes;
+    if (chunk < minc && T <= FEW_TOKENS) chunk = minc;
+    if (chunk < 1) chunk = 1;
+    tiles_ctx a = {w, k->tiles_q4 ? k->tiles_q4 : tiles_q4_portable, xq, T, tchunk < 1 ? 1 : tchunk, chunk, ntiles,
+                   ldy, y};
+    run(tiles_task, &a, (ntiles + chunk - 1) / chunk, ntiles * tile_bytes * (T > FEW_TOKENS ? 64 : T));
+}
+
+void si_gemv_tiles_int8(const qmat_t *w, const float *x, float *y) {
+    const kernels_t *k = si_kern();
+    xq_t xq;
+    if (si_xq_alloc(&xq, 0, XL_NATURAL, w->kp, 1) != 0) abort();
+    xq.pair = 0; /* one int8 term whatever the activation mode (the buffer holds two) */
+    k->quantize(x, w->cols, w->kp, 0, 1, &xq);
+    si_tiles_dots(w, &xq, 1, 1, y, 0);
 }

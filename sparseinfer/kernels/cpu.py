@@ -14,6 +14,7 @@ All inputs are CPU tensors; x float32; row ids int32 (int64 is converted); outpu
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -24,7 +25,7 @@ import ctypes
 from sparseinfer.kernels import reference
 from sparseinfer.kernels.cstructs import QMat, check_layout
 from sparseinfer.kv_cache import KV_CODES, row_bytes, storage_dtype
-from sparseinfer.quant import FORMATS, Q4K_BLOCK, Q4K_BYTES, TILE_BLOCK_BYTES, TILE_ROWS, ColWeight, QWeight, TileWeight
+from sparseinfer.quant import FORMATS, Q4K_BLOCK, Q4K_BYTES, TILE_FORMATS, ColWeight, QWeight, tiles_shape, to_tiles
 
 try:
     from sparseinfer import _cpu
@@ -37,10 +38,10 @@ except ImportError as e:  # no compiler at install time, or a stale build
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "matmul_bf16", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "stacked_view", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
-_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5, "q4k": 6}
+_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5, "q4k": 6, "tq4": 7}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 _QS_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8, "q4k": torch.uint8}
+             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8, "q4k": torch.uint8, "tq4": torch.uint8}
 _F32 = torch.float32
 _I32 = torch.int32
 _Tensor = torch.Tensor
@@ -83,11 +84,13 @@ def qmat(w: QWeight) -> tuple[QMat, int]:
     if not isinstance(w, QWeight):
         raise ValueError(f"expected a QWeight, got {type(w).__name__}")
     if w.fmt not in _FMT:
-        raise ValueError(f"unknown weight format {w.fmt!r}; expected one of {FORMATS}")
+        raise ValueError(f"unknown weight format {w.fmt!r}; expected one of {FORMATS + TILE_FORMATS}")
     kp = (w.cols + 31) // 32 * 32
     shapes = {"f32": (w.rows, w.cols), "f16": (w.rows, w.cols), "bf16": (w.rows, w.cols),
               "q8": (w.rows, kp), "q4": (w.rows, kp // 2), "q6": (w.rows, kp // 4 * 3),
-              "q4k": (w.rows, w.cols // Q4K_BLOCK * Q4K_BYTES)}
+              "q4k": (w.rows, w.cols // Q4K_BLOCK * Q4K_BYTES), "tq4": tiles_shape(w.rows, w.cols)}
+    if w.fmt == "tq4" and (w.d is not None or w.m is not None or not w.qs.is_contiguous()):
+        raise ValueError("tq4 weight needs contiguous tiles and no separate scales")
     if w.fmt == "q4k" and (w.cols % Q4K_BLOCK or w.d is not None or w.m is not None):
         raise ValueError(f"q4k weight needs a multiple of {Q4K_BLOCK} columns (got {w.cols}) and no separate scales")
     qst = _check_tensor(w.qs, f"{w.fmt} weight qs", _QS_DTYPE[w.fmt], shapes[w.fmt])
@@ -234,20 +237,18 @@ def axpy_rows(wt: QWeight, h: torch.Tensor, rows: torch.Tensor, out: torch.Tenso
     return y
 
 
-def gemv_tiles(w: TileWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y[N] = W x on a row-tiled q4 weight (x quantized to int8 per block of 32, one term)."""
-    if not isinstance(w, TileWeight):
-        raise ValueError(f"expected a TileWeight, got {type(w).__name__}")
+def gemv_int8(w: QWeight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[N] = W x for a tq4 weight with x in one int8 term whatever the activation mode
+    (products that feed approximations, such as the output head's preview)."""
+    if w.fmt != "tq4":
+        raise ValueError(f"gemv_int8 takes tq4 weights, not {w.fmt}")
     if _cpu is None:
         _fallback()
-        return _store(reference.gemv_tiles(w, x).float(), out)
-    shape = (-(-w.rows // TILE_ROWS), -(-w.cols // 32), TILE_BLOCK_BYTES)
-    _check_tensor(w.qs, "tiled weight qs", torch.uint8, shape)
-    if not w.qs.is_contiguous():
-        raise ValueError("row-tiled weight qs must be contiguous")
+        return _store(reference.gemv_emulated(w, x, "int8").float(), out)
+    desc = _desc(w)
     x = _vec(x, w.cols)
     y = _out(out, w.rows)
-    _cpu.gemv_tiles(w.rows, w.cols, w.qs.data_ptr(), x.data_ptr(), y.data_ptr())
+    _cpu.gemv_int8(desc, x.data_ptr(), y.data_ptr())
     return y
 
 
@@ -637,6 +638,28 @@ def interleave_pays(w: QWeight) -> bool:
     `--layout split` (and `SPARSEINFER_SIMD=avx2` for the AVX2 kernels)."""
     return (w.fmt in ("q4", "q8", "q6") and w.qs.is_cpu and (w.fmt != "q4" or w.cols <= 4096)
             and available() and simd_level().startswith("avx512"))
+
+
+# Kernel levels whose dense products read q4 weights in row tiles (tq4, csrc/tiles.c) by
+# default: `load` converts the dense projections' q4 weights to it (`models.registry.tile_weights`).
+# $SPARSEINFER_TILES=1 or 0 overrides.  Chosen by `python benchmarks/compare_llamacpp.py
+# --ours-args="--dense SPARSEINFER_TILES=0" --ours-args="--dense SPARSEINFER_TILES=1"`, alternated.
+ROW_TILE_LEVELS: tuple[str, ...] = ()
+
+
+def tiles_pay(w: QWeight) -> bool:
+    """Whether a q4 weight read whole (dense projections) should be held as row tiles (tq4)."""
+    if w.fmt != "q4" or w.m is None or not w.qs.is_cpu or not available():
+        return False
+    env = os.environ.get("SPARSEINFER_TILES", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return simd_level() in ROW_TILE_LEVELS
+
+
+def tile(w: QWeight) -> QWeight:
+    """`w` (q4) as row tiles (tq4) in a buffer on huge pages."""
+    return to_tiles(w, empty_hugepages(tiles_shape(w.rows, w.cols)))
 
 
 def empty_records_like(w: QWeight, rows: int) -> QWeight:

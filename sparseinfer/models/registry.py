@@ -85,3 +85,55 @@ def interleave_head(model: CausalLM) -> None:
     if model.embed.weight is w:
         model.embed.weight = new
     model.head.weight = new
+
+
+def tile_weights(model: CausalLM) -> int:
+    """Hold the q4 weights that are only ever read whole (attention's q/k/v and o, a dense MLP's
+    gate/up and down, an output head not tied to the embedding) as row tiles (tq4) where
+    `cpu.tiles_pay` says so: the same bytes, read by kernels with less work per weight.  Fused
+    groups (q/k/v, gate/up) become one tiled weight with the parts as views of it, when every
+    part is a whole number of 16-row tiles.  Modules that read rows (sparse FFNs, the embedding)
+    keep theirs.  Returns how many weights were converted."""
+    from ..kernels import cpu
+    from ..quant import TILE_ROWS
+    from .layers import MLP, Attention, Linear
+
+    done = 0
+
+    def group(mod, fused, names) -> None:
+        nonlocal done
+        lins = [getattr(mod, n) for n in names]
+        if fused is None or not mod._intact() or not cpu.tiles_pay(fused.weight) \
+                or any(lin.weight.rows % TILE_ROWS for lin in lins):
+            for lin in lins:
+                single(lin)
+            return
+        t = cpu.tile(fused.weight)
+        fused.weight, views, a = t, [], 0
+        for lin in lins:
+            b = a + lin.weight.rows // TILE_ROWS
+            lin.weight = QWeight("tq4", lin.weight.rows, lin.weight.cols, t.qs[a:b])
+            views.append(lin.weight)
+            a = b
+        mod._parts = tuple(views)
+        done += 1
+
+    def single(lin) -> None:
+        nonlocal done
+        if isinstance(lin, Linear) and cpu.tiles_pay(lin.weight):
+            lin.weight = cpu.tile(lin.weight)
+            done += 1
+
+    for m in list(model.modules()):
+        if type(m) is Attention:
+            group(m, m._qkv, ("q", "k", "v"))
+            single(m.o)
+        elif type(m) is MLP:
+            if m.gate is None:
+                single(m.up)
+            else:
+                group(m, m._gate_up, ("gate", "up"))
+            single(m.down)
+    if model.embed.weight is not model.head.weight and model.head.weight.qs is not model.embed.weight.qs:
+        single(model.head)
+    return done

@@ -9,8 +9,8 @@ of the head's input h on calibration text and V_r the top r right singular vecto
 rank-r approximation of the logits with the least expected squared error over inputs like the
 calibration ones (without the weighting by h's covariance the preview misses the true top
 token far more often, since a few directions of h carry most of its energy).  A is held in q8
-(read by the ordinary gemv kernel) or in q4 in 16-row tiles (`quant.TileWeight`, read by
-`cpu.gemv_tiles`: rows of a few hundred weights are per-row-overhead bound in the row-major
+(read by the ordinary gemv kernel) or in q4 in 16-row tiles (format tq4, `quant.to_tiles`, read
+by `cpu.gemv_int8`: rows of a few hundred weights are per-row-overhead bound in the row-major
 kernels).
 
 Per token: z = B h; p = A z (the preview); the candidates are the tokens whose preview is at
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu
-from ..quant import TileWeight, from_float, to_tiles
+from ..quant import from_float, to_tiles
 
 SAMPLE_STRIDE = 16      # the k-th largest preview value is estimated on every 16th logit
 MAX_ROWS = 1            # more rows at once (batched decode) read the exact head once for all
@@ -130,14 +130,14 @@ def select(p: torch.Tensor, k: int, context=None, out: torch.Tensor | None = Non
 
 
 def preview_matrix(hp: HeadPreview):
-    """A as decode reads it: a row-major q8 `QWeight`, or q4 in row tiles (`TileWeight`)."""
+    """A as decode reads it: a row-major q8 `QWeight`, or q4 in row tiles (tq4)."""
     a = from_float(hp.a.float(), hp.fmt)
     return to_tiles(a) if hp.fmt == "q4" else a
 
 
 def preview_product(a, z: torch.Tensor) -> torch.Tensor:
     """p = A z for `preview_matrix`'s A."""
-    return cpu.gemv_tiles(a, z) if isinstance(a, TileWeight) else cpu.gemv(a, z)
+    return cpu.gemv_int8(a, z) if a.fmt == "tq4" else cpu.gemv(a, z)
 
 
 class PreviewHead(nn.Module):
