@@ -174,6 +174,21 @@ static PyObject *py_gemv_int8(PyObject *self, PyObject *const *a, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
+/* tile_q4(w, out): out the row tiles of the q4 weight w; the caller (kernels/cpu.py `tile`)
+ * sized out (quant.tiles_shape) */
+static PyObject *py_tile_q4(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+    qmat_t w;
+    void *out;
+    if (!nargs_ok(n, 2, "tile_q4") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &out)) return NULL;
+    if (w.fmt != FMT_Q4) return PyErr_Format(PyExc_ValueError, "tile_q4 takes q4 weights");
+    if (w.rows == 0) Py_RETURN_NONE;
+    if (!out) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    Py_BEGIN_ALLOW_THREADS
+    si_tile_q4(&w, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* select_ids(p, n, thr, extra, out) -> (ids written, of them at or above thr): extra a list of ints (ids outside [0, n) are
  * ignored) or None; out has room for n int32 (checked by the caller) */
 static PyObject *py_select_ids(PyObject *self, PyObject *const *a, Py_ssize_t na) {
@@ -708,6 +723,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
     {"gemv_int8", (PyCFunction)(void (*)(void))py_gemv_int8, METH_FASTCALL, "gemv_int8(w, x, y): tq4, one int8 term"},
+    {"tile_q4", (PyCFunction)(void (*)(void))py_tile_q4, METH_FASTCALL, "tile_q4(w, out): q4 -> row tiles"},
     {"select_ids", (PyCFunction)(void (*)(void))py_select_ids, METH_FASTCALL, "ids at or above a threshold, or listed"},
     {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
     {"gemv_cols_list", (PyCFunction)(void (*)(void))py_gemv_cols_list, METH_FASTCALL, "column-grouped q4 product over listed inputs"},

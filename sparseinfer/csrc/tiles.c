@@ -141,3 +141,36 @@ void si_gemv_tiles_int8(const qmat_t *w, const float *x, float *y) {
     k->quantize(x, w->cols, w->kp, 0, 1, &xq);
     si_tiles_dots(w, &xq, 1, 1, y, 0);
 }
+
+/* ------------------------------------------------------- row-major q4 -> row tiles */
+
+typedef struct {
+    const qmat_t *w;
+    uint8_t *out;
+} tile_ctx;
+
+static void tile_task(void *p, int64_t t) {
+    const tile_ctx *a = p;
+    const qmat_t *w = a->w;
+    for (int64_t b = 0; b < w->nb; b++) {
+        uint8_t *bp = a->out + (t * w->nb + b) * TQ4_BLOCK_BYTES;
+        memset(bp, 0, TQ4_BLOCK_BYTES);
+        for (int i = 0; i < TQ4_ROWS; i++) {
+            const int64_t r = TQ4_ROWS * t + i;
+            if (r >= w->rows) break;
+            const uint8_t *qb = w->qs + r * w->row_bytes + 16 * b; /* byte j: value j | value j + 16 << 4 */
+            for (int c = 0; c < 32; c++) {
+                const int code = c < 16 ? qb[c] & 15 : qb[c - 16] >> 4, l = c / 8, k = c % 8;
+                bp[64 * l + 4 * i + k % 4] |= (uint8_t)(k < 4 ? code : code << 4);
+            }
+            memcpy(bp + 256 + 2 * i, w->d + r * w->ds + b, 2);
+            memcpy(bp + 288 + 2 * i, w->m + r * w->ds + b, 2);
+        }
+    }
+}
+
+void si_tile_q4(const qmat_t *w, uint8_t *out) {
+    tile_ctx a = {w, out};
+    const int64_t ntiles = (w->rows + TQ4_ROWS - 1) / TQ4_ROWS;
+    run(tile_task, &a, ntiles, ntiles * w->nb * TQ4_BLOCK_BYTES);
+}

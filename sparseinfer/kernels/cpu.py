@@ -658,8 +658,13 @@ def tiles_pay(w: QWeight) -> bool:
 
 
 def tile(w: QWeight) -> QWeight:
-    """`w` (q4) as row tiles (tq4) in a buffer on huge pages."""
-    return to_tiles(w, empty_hugepages(tiles_shape(w.rows, w.cols)))
+    """`w` (q4) as row tiles (tq4) in a buffer on huge pages (`quant.to_tiles` is the reference
+    of the compiled conversion)."""
+    out = empty_hugepages(tiles_shape(w.rows, w.cols))
+    if _cpu is None or w.fmt != "q4":
+        return to_tiles(w, out)
+    _cpu.tile_q4(_desc(w), out.data_ptr())
+    return QWeight("tq4", w.rows, w.cols, out)
 
 
 def empty_records_like(w: QWeight, rows: int) -> QWeight:

@@ -89,11 +89,11 @@ def interleave_head(model: CausalLM) -> None:
 
 def tile_weights(model: CausalLM) -> int:
     """Hold the q4 weights that are only ever read whole (attention's q/k/v and o, a dense MLP's
-    gate/up and down, an output head not tied to the embedding) as row tiles (tq4) where
-    `cpu.tiles_pay` says so: the same bytes, read by kernels with less work per weight.  Fused
-    groups (q/k/v, gate/up) become one tiled weight with the parts as views of it, when every
-    part is a whole number of 16-row tiles.  Modules that read rows (sparse FFNs, the embedding)
-    keep theirs.  Returns how many weights were converted."""
+    gate/up and down) as row tiles (tq4) where `cpu.tiles_pay` says so: the same bytes, read by
+    kernels with less work per weight.  Fused groups (q/k/v, gate/up) become one tiled weight
+    with the parts as views of it, when every part is a whole number of 16-row tiles.  Modules
+    that read rows keep theirs: sparse FFNs, the embedding, and the output head (the head
+    preview computes exact rows of it).  Returns how many weights were converted."""
     from ..kernels import cpu
     from ..quant import TILE_ROWS
     from .layers import MLP, Attention, Linear
@@ -134,6 +134,4 @@ def tile_weights(model: CausalLM) -> int:
             else:
                 group(m, m._gate_up, ("gate", "up"))
             single(m.down)
-    if model.embed.weight is not model.head.weight and model.head.weight.qs is not model.embed.weight.qs:
-        single(model.head)
     return done
