@@ -189,3 +189,87 @@ def test_select_ids_into_a_buffer_and_refusals():
         cpu.select_ids(p, 1.0, None, torch.empty(3, dtype=torch.int32))
     with pytest.raises(TypeError):
         cpu.select_ids(p, 1.0, ["a"])
+
+
+def test_compiled_conversion_gives_the_reference_bytes():
+    for rows, cols in SHAPES + [(64, 1536)]:
+        w = weight(rows, cols)
+        assert torch.equal(cpu.tile(w).qs, to_tiles(w).qs), (rows, cols)
+    big = weight(64, 96)
+    strided = QWeight("q4", 32, 96, big.qs[::2], big.d[::2], big.m[::2])
+    assert torch.equal(cpu.tile(strided).qs, to_tiles(strided).qs)
+    rec = cpu.interleave_rows(weight(48, 256))  # each row's scales next to its codes (strided views)
+    assert torch.equal(cpu.tile(rec).dequantize(), rec.dequantize())
+
+
+def _tiny_q4_model(tmp_path):
+    import transformers as tf
+
+    from sparseinfer.io.weights import GGUFSource
+    from sparseinfer.models.registry import build_model
+    from tiny import VOCAB, export_gguf
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return build_model(GGUFSource(export_gguf(tf.Qwen2ForCausalLM(cfg).eval(), tmp_path / "m.gguf", "Q4_0")))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tiled_model_decodes_as_the_row_major_one(tmp_path, monkeypatch, mode):
+    """`tile_weights` turns the fused q/k/v and gate/up (parts as views of one buffer) and o and
+    down into tq4, leaves the embedding and tied head alone; the C decode steps then give the
+    Python layers' logits, and the tiled model's logits equal the row-major model's up to
+    float summation order."""
+    from sparseinfer.models.registry import tile_weights
+    from test_decode_step import Count, python_path, stepwise
+
+    cpu.set_activation_mode(mode)
+    monkeypatch.setenv("SPARSEINFER_TILES", "1")
+    model = _tiny_q4_model(tmp_path)
+    tokens = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(3))
+    before, _ = stepwise(model, tokens)
+    assert tile_weights(model) == 2 * 4
+    for layer in model.layers:
+        att, mlp = layer.attn, layer.mlp
+        assert {lin.weight.fmt for lin in (att.q, att.k, att.v, att.o, mlp.gate, mlp.up, mlp.down)} == {"tq4"}
+        assert att._intact() and mlp._intact()
+        assert att.k.weight.qs.untyped_storage().data_ptr() == att._qkv.weight.qs.untyped_storage().data_ptr()
+    assert model.embed.weight.fmt == "q4"
+    count = Count(monkeypatch)
+    fast, _ = stepwise(model, tokens)
+    assert count.n["attn"] == count.n["mlp"] == 2 * 8
+    slow, _ = python_path(model, tokens, monkeypatch)
+    torch.testing.assert_close(fast, slow, atol=1e-3, rtol=1e-3)
+    tol = 1e-3 if mode == "precise" else 0.15  # int8: the activations' rounding meets a different sum order
+    torch.testing.assert_close(fast, before, atol=tol, rtol=tol)
+
+
+def test_tiles_only_where_asked(tmp_path, monkeypatch):
+    from sparseinfer.models.registry import tile_weights
+
+    monkeypatch.setenv("SPARSEINFER_TILES", "0")
+    model = _tiny_q4_model(tmp_path)
+    assert tile_weights(model) == 0
+    assert model.layers[0].mlp.down.weight.fmt == "q4"
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_sparse_ffn_from_a_tiled_mlp(tmp_path, monkeypatch, permuted):
+    """A sparse FFN made from a tiled MLP takes row-major rows: its decode step runs and, at
+    threshold 0 with every neuron kept, gives the dense MLP's output."""
+    from sparseinfer.models.registry import tile_weights
+    from sparseinfer.sparse.ffn import SparseFFN
+
+    cpu.set_activation_mode("precise")
+    monkeypatch.setenv("SPARSEINFER_TILES", "1")
+    model = _tiny_q4_model(tmp_path)
+    tile_weights(model)
+    mlp = model.layers[0].mlp
+    order = torch.randperm(mlp.n_neurons, generator=torch.Generator().manual_seed(0)) if permuted else None
+    ffn = SparseFFN(mlp, 0.0, order, mode="threshold")
+    assert {ffn.gate.fmt, ffn.up.fmt} == {"q4"}
+    x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(ffn(x), mlp(x), atol=2e-3, rtol=2e-3)

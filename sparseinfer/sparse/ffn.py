@@ -60,7 +60,7 @@ from ..kernels import reference as ref
 from ..kernels.decode_plan import FFNStep
 from ..kernels.reference import canonical_activation
 from ..models.layers import MLP, Linear, Module, RMSNorm, fuse_weights
-from ..quant import FLOAT_FORMATS, QWeight, from_float
+from ..quant import FLOAT_FORMATS, QWeight, from_float, row_major
 
 MODES = ("predict", "faithful", "threshold", "oracle")
 
@@ -146,7 +146,7 @@ class SparseFFN(Module):
         # pass (as `MLP` runs them); kept as they come when the permuted rows already are that
         self._gate_up: QWeight | None = None
         if self.gate is not None:
-            if not self.permuted and mlp._intact():
+            if not self.permuted and mlp._intact() and mlp._gate_up.weight.fmt != "tq4":
                 self._gate_up = mlp._gate_up.weight
             else:
                 got = fuse_weights(self.gate, self.up)
@@ -179,7 +179,8 @@ class SparseFFN(Module):
 
     # ------------------------------------------------------------------ set-up
     def _permute_rows(self, w: QWeight) -> QWeight:
-        return w.select_rows(self.order) if self.permuted else w
+        """`w`'s rows in hotness order, row-major (the sparse kernels address rows)."""
+        return w.select_rows(self.order) if self.permuted else row_major(w)
 
     def _permute_vec(self, b: torch.Tensor | None) -> torch.Tensor | None:
         if b is None:
