@@ -951,19 +951,19 @@ static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int6
 
 /* As the AVX-512 version, each 64-byte line in two halves of 8 rows (bytes 0..31: rows 0..7,
  * 32..63: rows 8..15); u8 x s8 pairs summed to i16 never saturate (2 * 15 * 127 < 32767).
- * KN tokens (1..4) of one tile at a time, each line unpacked once for all of them; one float
- * accumulator per (half, token) (registers are fewer than AVX-512's); P = 1: each token's two
- * activation terms in turn.  A token's operations are the same for any KN. */
+ * KN tokens of one tile at a time (up to 4, or 2 pairs in the precise mode), each line
+ * unpacked once for all of them, both halves of a block in turn (a tile is read once); one
+ * float accumulator per (token, half), registers being fewer than AVX-512's.  A token's
+ * operations are the same for any KN. */
 AI void tiles_q4_tok(const uint8_t *tp, int64_t G, const xq_t *xq, int64_t k0, const int KN, const int P, float *y,
                      int64_t yst) {
     const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[4];
-        for (int k = 0; k < KN; k++) acc[k] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < G; b++) {
-            const uint8_t *bp = tp + b * TQ4_BLOCK_BYTES;
-            if (h == 0)
-                for (int o = 0; o < TQ4_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + o), _MM_HINT_T0);
+    __m256 acc[4][2];
+    for (int k = 0; k < KN; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < G; b++) {
+        const uint8_t *bp = tp + b * TQ4_BLOCK_BYTES;
+        for (int o = 0; o < TQ4_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(bp + 8 * TQ4_BLOCK_BYTES + o), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
             __m256i sum[4][2];
             for (int k = 0; k < KN; k++) sum[k][0] = sum[k][1] = _mm256_setzero_si256();
             for (int l = 0; l < 4; l++) {
@@ -983,24 +983,25 @@ AI void tiles_q4_tok(const uint8_t *tp, int64_t G, const xq_t *xq, int64_t k0, c
                 for (int hv = 0; hv <= P; hv++) {
                     const int64_t v = ((k0 + k) << P) + hv;
                     const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[k][hv]),
-                                                     _mm256_mul_ps(dv, _mm256_set1_ps(xq->d[v * xq->d_stride + b])), acc[k]);
-                    acc[k] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq->s[v * xq->d_stride + b]), a);
+                                                     _mm256_mul_ps(dv, _mm256_set1_ps(xq->d[v * xq->d_stride + b])), acc[k][h]);
+                    acc[k][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq->s[v * xq->d_stride + b]), a);
                 }
         }
-        for (int k = 0; k < KN; k++) _mm256_storeu_ps(y + (k0 + k) * yst + 8 * h, acc[k]);
     }
+    for (int k = 0; k < KN; k++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (k0 + k) * yst + 8 * h, acc[k][h]);
 }
 
 static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
-    const int64_t G = w->nb;
+    const int64_t G = w->nb, step = xq->pair ? 2 : 4;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tp = w->qs + t * G * TQ4_BLOCK_BYTES;
         float *yt = y + TQ4_ROWS * (t - t0);
-        for (int64_t k0 = 0; k0 < T; k0 += 4) {
-            const int64_t kn = T - k0 < 4 ? T - k0 : 4;
+        for (int64_t k0 = 0; k0 < T; k0 += step) {
+            const int64_t kn = T - k0 < step ? T - k0 : step;
 #define TOK(KN, P) tiles_q4_tok(tp, G, xq, k0, KN, P, yt, yst)
             if (xq->pair) {
-                if (kn == 4) TOK(4, 1); else if (kn == 3) TOK(3, 1); else if (kn == 2) TOK(2, 1); else TOK(1, 1);
+                if (kn == 2) TOK(2, 1); else TOK(1, 1);
             } else {
                 if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
             }

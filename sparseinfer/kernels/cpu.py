@@ -644,9 +644,9 @@ def interleave_pays(w: QWeight) -> bool:
 # default: `load` converts the dense projections' q4 weights to it (`models.registry.tile_weights`).
 # $SPARSEINFER_TILES=1 or 0 overrides.  Chosen by `python benchmarks/compare_llamacpp.py
 # --ours-args="--dense SPARSEINFER_TILES=0" --ours-args="--dense SPARSEINFER_TILES=1"`, alternated
-# (docs/kernels.md has the measurements): not yet avx2 (one-token products no faster once
-# memory-bound) nor avx512amx (its prompt products run on the AMX unit from row-major q4).
-ROW_TILE_LEVELS: tuple[str, ...] = ("avx512", "avx512vnni")
+# (docs/kernels.md has the measurements): not yet avx512amx, whose prompt products run on the
+# AMX unit from row-major q4 and were not compared.
+ROW_TILE_LEVELS: tuple[str, ...] = ("avx2", "avx512", "avx512vnni")
 
 
 def tiles_pay(w: QWeight) -> bool:
