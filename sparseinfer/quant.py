@@ -36,6 +36,10 @@ Formats (a weight is a matrix of `rows` x `cols`, one output neuron per row; K =
   ``16 t + i``, input ``32 b + 8 l + c`` in its low nibble and input ``32 b + 8 l + 4 + c`` in
   its high nibble.  Padding rows and columns are zero (codes and scales).  5 bits per weight,
   as q4.  Rows are not addressable: row-sparse kernels take the q4 (`row_major`).
+- ``tq6``: q6's values in the same tiles, 448 bytes per tile and block: the four lines of low
+  nibbles as tq4's, then two lines of high parts (line h, byte ``4 i + c``: the 2-bit high
+  parts of inputs ``32 b + 16 h + c``, ``+ 4``, ``+ 8``, ``+ 12`` in bits 0-1, 2-3, 4-5, 6-7),
+  then the 16 rows' f16 d of inputs 0..15 and of inputs 16..31.  7 bits per weight, as q6.
 
 Kp is cols rounded up to a multiple of 32; padding values are zero (q = 0, d = m = 0), so
 products over the padding add nothing.  Every row's bytes (and its scales) are contiguous,
@@ -52,7 +56,7 @@ import torch
 BLOCK = 32
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 QUANT_FORMATS = ("q8", "q4", "q6", "q4k")
-TILE_FORMATS = ("tq4",)  # CPU-only layouts of a format's values, made from it (`to_tiles`)
+TILE_FORMATS = ("tq4", "tq6")  # CPU-only layouts of q4's / q6's values, made from them (`to_tiles`)
 Q4K_BLOCK, Q4K_BYTES = 256, 144  # values and bytes of one q4k super-block
 FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 _TORCH_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -92,15 +96,15 @@ class QWeight:
 
     def select_rows(self, idx: torch.Tensor) -> "QWeight":
         """A new QWeight holding rows `idx` in that order (used to reorder neurons by hotness);
-        row-major (tq4 gives q4)."""
-        if self.fmt == "tq4":
+        row-major (tq4 gives q4, tq6 q6)."""
+        if self.fmt in TILE_FORMATS:
             return from_tiles(self).select_rows(idx)
         pick = lambda t: None if t is None else t.index_select(0, idx).contiguous()  # noqa: E731
         return QWeight(self.fmt, int(idx.numel()), self.cols, pick(self.qs), pick(self.d), pick(self.m))
 
     def to(self, device) -> "QWeight":
-        """On `device`; tq4 (a CPU kernels' layout) moves as q4."""
-        if self.fmt == "tq4" and torch.device(device).type != "cpu":
+        """On `device`; tq4 / tq6 (CPU kernels' layouts) move as q4 / q6."""
+        if self.fmt in TILE_FORMATS and torch.device(device).type != "cpu":
             return from_tiles(self).to(device)
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return QWeight(self.fmt, self.rows, self.cols, mv(self.qs), mv(self.d), mv(self.m))
@@ -390,17 +394,32 @@ def to_cols(w: QWeight) -> ColWeight:
 
 
 TILE_ROWS = 16          # rows interleaved in one tq4 tile
-TILE_BLOCK_BYTES = 320  # one tile's block of 32 inputs: 256 bytes of codes, then d and m (f16)
+TILE_BLOCK_BYTES = 320  # one tq4 tile's block of 32 inputs: 256 bytes of codes, then d and m (f16)
+TILE6_BLOCK_BYTES = 448  # one tq6 tile's block: 256 bytes of low nibbles, 128 of high parts, 2 d (f16)
 
 
-def _tile_parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tq4 weight's (codes uint8 (rows, Kp), d f16 (rows, nb), m f16 (rows, nb))."""
+def _tile_codes(qs: torch.Tensor, t: int, g: int, bb: int) -> torch.Tensor:
+    """The low nibbles of tiles (t, g blocks of bb bytes) as (t * 16, g * 32) codes, row order."""
+    codes = qs.reshape(t, g, bb)[:, :, :256].reshape(t, g, 4, TILE_ROWS, 4)   # [t, b, l, i, c]
+    q = torch.stack([codes & 15, codes >> 4], dim=-2)                         # [t, b, l, i, half, c]
+    return q.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE_ROWS, g * BLOCK)
+
+
+def _tile_parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A tiled weight's row-major parts: tq4 (codes (rows, Kp), d, m (rows, nb) f16); tq6
+    (codes 0..63 (rows, Kp), d (rows, Kp // 16) f16, None)."""
     g = padded(w.cols) // BLOCK
     t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
-    qs = w.qs.reshape(t, g, TILE_BLOCK_BYTES)
-    codes = qs[:, :, :256].reshape(t, g, 4, TILE_ROWS, 4)                      # [t, b, l, i, c]
-    q = torch.stack([codes & 15, codes >> 4], dim=-2)                         # [t, b, l, i, half, c]
-    q = q.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE_ROWS, g * BLOCK)[: w.rows]  # rows x inputs
+    bb = TILE6_BLOCK_BYTES if w.fmt == "tq6" else TILE_BLOCK_BYTES
+    qs = w.qs.reshape(t, g, bb)
+    q = _tile_codes(qs, t, g, bb)[: w.rows]
+    if w.fmt == "tq6":
+        hb = qs[:, :, 256:384].reshape(t, g, 2, TILE_ROWS, 4)                 # [t, b, h, i, c]
+        hp = torch.stack([(hb >> (2 * k)) & 3 for k in range(4)], dim=-2)    # [t, b, h, i, k, c]: input 16h + 4k + c
+        hp = hp.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE_ROWS, g * BLOCK)[: w.rows]
+        sc = qs[:, :, 384:].contiguous().view(torch.float16).view(t, g, 2, TILE_ROWS)
+        d = sc.permute(0, 3, 1, 2).reshape(t * TILE_ROWS, 2 * g)[: w.rows]
+        return (q | (hp << 4)).contiguous(), d.contiguous(), None
     sc = qs[:, :, 256:].contiguous().view(torch.float16)                     # [t, b, 32]
     d = sc[..., :TILE_ROWS].permute(0, 2, 1).reshape(t * TILE_ROWS, g)[: w.rows]
     m = sc[..., TILE_ROWS:].permute(0, 2, 1).reshape(t * TILE_ROWS, g)[: w.rows]
@@ -408,46 +427,61 @@ def _tile_parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def to_tiles(w: QWeight, out: torch.Tensor | None = None) -> QWeight:
-    """The tq4 weight of a row-major q4 weight: the same values, 16 rows interleaved (written
-    into `out`, uint8 of `tiles_shape(rows, cols)`, when given: e.g. a buffer on huge pages)."""
-    if w.fmt != "q4" or w.m is None:
-        raise ValueError(f"row-tiled weights are made from q4 weights, not {w.fmt}")
+    """The row tiles of a row-major q4 (tq4) or q6 (tq6) weight: the same values, 16 rows
+    interleaved (written into `out`, uint8 of `tiles_shape`, when given: e.g. a buffer on huge
+    pages).  The reference of the compiled conversion (`kernels.cpu.tile`)."""
+    if w.fmt not in ("q4", "q6") or (w.fmt == "q4" and w.m is None):
+        raise ValueError(f"row-tiled weights are made from q4 or q6 weights, not {w.fmt}")
+    fmt = "t" + w.fmt
     g = padded(w.cols) // BLOCK
     t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
+    bb = TILE6_BLOCK_BYTES if fmt == "tq6" else TILE_BLOCK_BYTES
+    shape = tiles_shape(w.rows, w.cols, fmt)
     if out is None:
-        out = torch.empty(tiles_shape(w.rows, w.cols), dtype=torch.uint8)
-    if tuple(out.shape) != tiles_shape(w.rows, w.cols) or out.dtype != torch.uint8 or not out.is_contiguous():
-        raise ValueError(f"tile buffer must be contiguous uint8 {tiles_shape(w.rows, w.cols)}")
-    o = out.view(t, g, TILE_BLOCK_BYTES)
+        out = torch.empty(shape, dtype=torch.uint8)
+    if tuple(out.shape) != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"tile buffer must be contiguous uint8 {shape}")
+    o = out.view(t, g, bb)
     step = max(1, 4096 // TILE_ROWS)  # tiles at a time: bounded temporaries for large matrices
     for a in range(0, t, step):
         b = min(t, a + step)
         r0, r1 = a * TILE_ROWS, min(w.rows, b * TILE_ROWS)
         q = torch.zeros((b - a) * TILE_ROWS, g * BLOCK, dtype=torch.uint8)
-        q[: r1 - r0] = unpack_nibbles(w.qs[r0:r1, : g * BLOCK // 2])
-        q = q.view(b - a, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)      # [t, b, l, i, c, half]
-        o[a:b, :, :256] = (q[..., 0] | (q[..., 1] << 4)).reshape(b - a, g, 256)
+        q[: r1 - r0] = unpack_q6(w.qs[r0:r1]) if fmt == "tq6" else unpack_nibbles(w.qs[r0:r1, : g * BLOCK // 2])
+        nib = (q & 15).view(b - a, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, l, i, c, half]
+        o[a:b, :, :256] = (nib[..., 0] | (nib[..., 1] << 4)).reshape(b - a, g, 256)
+        if fmt == "tq6":
+            hp = (q >> 4).view(b - a, TILE_ROWS, g, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, h, i, c, k]
+            hb = hp[..., 0] | (hp[..., 1] << 2) | (hp[..., 2] << 4) | (hp[..., 3] << 6)
+            o[a:b, :, 256:384] = hb.reshape(b - a, g, 128)
+            v = torch.zeros((b - a) * TILE_ROWS, 2 * g, dtype=torch.float16)
+            v[: r1 - r0] = w.d[r0:r1, : 2 * g].to(torch.float16)
+            o[a:b, :, 384:] = v.view(b - a, TILE_ROWS, g, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(b - a, g, 64)
+            continue
         for k, x in enumerate((w.d, w.m)):
             v = torch.zeros((b - a) * TILE_ROWS, g, dtype=torch.float16)
             v[: r1 - r0] = x[r0:r1, :g].to(torch.float16)
             o[a:b, :, 256 + 32 * k: 288 + 32 * k] = v.view(b - a, TILE_ROWS, g).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return QWeight("tq4", w.rows, w.cols, out)
+    return QWeight(fmt, w.rows, w.cols, out)
 
 
-def tiles_shape(rows: int, cols: int) -> tuple[int, int]:
-    """The shape of a tq4 weight's qs: (tiles, blocks * 320)."""
-    return ((rows + TILE_ROWS - 1) // TILE_ROWS, padded(cols) // BLOCK * TILE_BLOCK_BYTES)
+def tiles_shape(rows: int, cols: int, fmt: str = "tq4") -> tuple[int, int]:
+    """The shape of a tq4 or tq6 weight's qs: (tiles, blocks * block bytes)."""
+    bb = TILE6_BLOCK_BYTES if fmt == "tq6" else TILE_BLOCK_BYTES
+    return ((rows + TILE_ROWS - 1) // TILE_ROWS, padded(cols) // BLOCK * bb)
 
 
 def from_tiles(w: QWeight) -> QWeight:
-    """The row-major q4 weight of a tq4 weight (exactly the same values)."""
+    """The row-major q4 / q6 weight of a tq4 / tq6 weight (exactly the same values)."""
     q, d, m = _tile_parts(w)
+    if w.fmt == "tq6":
+        return QWeight("q6", w.rows, w.cols, pack_q6(q), d, None)
     return QWeight("q4", w.rows, w.cols, pack_nibbles(q), d, m)
 
 
 def row_major(w: QWeight) -> QWeight:
-    """`w` with addressable rows: tq4 as q4, every other format as it is."""
-    return from_tiles(w) if w.fmt == "tq4" else w
+    """`w` with addressable rows: tq4 / tq6 as q4 / q6, every other format as it is."""
+    return from_tiles(w) if w.fmt in TILE_FORMATS else w
 
 
 def dequantize(w: QWeight) -> torch.Tensor:
@@ -461,7 +495,7 @@ def dequantize(w: QWeight) -> torch.Tensor:
     if w.fmt == "q4k":
         q, step, off = q4k_affine(w)
         return (q.float().view(w.rows, -1, BLOCK) * step[..., None] + off[..., None]).view(w.rows, w.cols)
-    if w.fmt == "tq4":
+    if w.fmt in TILE_FORMATS:
         return dequantize(from_tiles(w))
     if w.fmt == "q8":
         q = w.qs.float()

@@ -1,6 +1,6 @@
-"""Row-tiled q4 weights (format tq4, `quant.to_tiles`) and the dense products on them
+"""Row-tiled q4 and q6 weights (formats tq4, tq6, `quant.to_tiles`) and the dense products on them
 (`cpu.gemv` / `cpu.matmul`; `cpu.gemv_int8` for the output head preview): the layout holds
-exactly the row-major q4 values; the fast kernels on every SIMD level and in both activation
+exactly the row-major values; the fast kernels on every SIMD level and in both activation
 modes equal the float64 reference with the rounding of x reproduced (summation order aside),
 give a prompt's rows the one-token numbers bit for bit and the same results for any thread
 count.  Also the candidate selection `cpu.select_ids` against its torch reference."""
@@ -17,23 +17,30 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="compiled kernels no
 SHAPES = [(16, 32), (17, 32), (64, 256), (200, 70), (1000, 384), (4099, 96), (5, 1)]
 
 
-def weight(rows, cols, seed=0):
+FMTS = ("q4", "q6")
+
+
+def weight(rows, cols, seed=0, fmt="q4"):
     g = torch.Generator().manual_seed(seed)
-    return from_float(torch.randn(rows, cols, generator=g), "q4")
+    return from_float(torch.randn(rows, cols, generator=g), fmt)
 
 
 def vec(n, seed=1):
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("rows,cols", SHAPES)
-def test_layout_holds_the_row_major_values(rows, cols):
-    w = weight(rows, cols)
+def test_layout_holds_the_row_major_values(rows, cols, fmt):
+    w = weight(rows, cols, fmt=fmt)
     tw = to_tiles(w)
-    assert tw.shape == (rows, cols)
+    assert tw.shape == (rows, cols) and tw.fmt == "t" + fmt
     assert torch.equal(tw.dequantize(), w.dequantize())
-    # 5 bits per weight, as the row-major q4 (padding aside)
-    assert tw.nbytes == -(-rows // 16) * 16 * ((cols + 31) // 32 * 32) * 5 // 8
+    back = from_tiles(tw)
+    assert back.fmt == fmt and torch.equal(back.qs, w.qs) and torch.equal(back.d, w.d)
+    # 5 (q4) or 7 (q6) bits per weight, as the row-major format (padding aside)
+    bits = 5 if fmt == "q4" else 7
+    assert tw.nbytes == -(-rows // 16) * 16 * ((cols + 31) // 32 * 32) * bits // 8
 
 
 def test_layout_places_one_known_code():
@@ -52,19 +59,31 @@ def test_layout_from_strided_rows():
     assert torch.equal(to_tiles(view).dequantize(), view.dequantize())
 
 
-def test_only_q4_converts():
-    with pytest.raises(ValueError, match="q4"):
+def test_layout_places_one_known_q6_code():
+    """tq6: the high parts of row 16t + i, input 32b + 16h + 4k + c sit in the block's high
+    line h, byte 4i + c, bits 2k (the docstring's layout)."""
+    x = torch.zeros(40, 64)
+    x[16 + 5, 32 + 16 + 4 * 2 + 3] = 1.0     # t=1, i=5, b=1, h=1, k=2, c=3: code 63, high part 3
+    x[16 + 5, 32] = -1.0                     # makes the scale 1/31: code 63 at the first value
+    tw = to_tiles(from_float(x, "q6"))
+    byte = int(tw.qs[1, 448 + 256 + 64 * 1 + 4 * 5 + 3])
+    assert (byte >> 4) & 3 == 3 and abs(float(tw.dequantize()[21, 32 + 27]) - 1.0) < 1e-2
+
+
+def test_only_q4_and_q6_convert():
+    with pytest.raises(ValueError, match="q4 or q6"):
         to_tiles(from_float(torch.randn(64, 32), "q8"))
 
 
 MODES = ("int8", "precise")
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows,cols", SHAPES)
-def test_gemv_matches_the_reference(level, mode, rows, cols):
+def test_gemv_matches_the_reference(level, mode, rows, cols, fmt):
     cpu.set_activation_mode(mode)
-    tw = to_tiles(weight(rows, cols))
+    tw = to_tiles(weight(rows, cols, fmt=fmt))
     for seed in (1, 2):
         x = vec(cols, seed)
         y = cpu.gemv(tw, x)
@@ -78,12 +97,13 @@ def test_gemv_matches_the_reference(level, mode, rows, cols):
         assert ((y.double() - exact).abs() <= ref.error_bound(tw, x, mode) + 1e-5).all()
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_matmul_rows_equal_the_gemv(level, mode):
+def test_matmul_rows_equal_the_gemv(level, mode, fmt):
     """A prompt's rows get exactly the one-token numbers (the kernels' determinism contract),
     for token counts that fill the kernels' groups of 4 and not, and a partial last tile."""
     cpu.set_activation_mode(mode)
-    tw = to_tiles(weight(330, 200))
+    tw = to_tiles(weight(330, 200, fmt=fmt))
     for m in (1, 2, 3, 4, 5, 9, 17, 70):
         x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m))
         y = cpu.matmul(tw, x)
@@ -96,9 +116,10 @@ def test_gemv_of_zeros(level):
     assert torch.equal(cpu.gemv(tw, torch.zeros(64)), torch.zeros(48))
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 40])
-def test_thread_count_independent(threads, m):
-    tw = to_tiles(weight(20000, 256) if m == 1 else weight(3000, 256))
+def test_thread_count_independent(threads, m, fmt):
+    tw = to_tiles(weight(20000 if m == 1 else 3000, 256, fmt=fmt))
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(3))
     outs = []
     for n in (1, 2, 3):
@@ -107,10 +128,11 @@ def test_thread_count_independent(threads, m):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_levels_agree(level):
+@pytest.mark.parametrize("fmt", FMTS)
+def test_levels_agree(level, fmt):
     """Every level sums the same exact integers per block: the results match the portable
     level to float rounding of the final multiply-adds."""
-    tw = to_tiles(weight(330, 200))
+    tw = to_tiles(weight(330, 200, fmt=fmt))
     x = vec(200)
     y = cpu.gemv(tw, x)
     old = cpu.simd_level()
@@ -134,22 +156,22 @@ def test_gemv_int8_is_one_term_in_any_mode(level):
         cpu.gemv_int8(weight(100, 96), x)
 
 
-def test_float_paths_and_rows(level):
+@pytest.mark.parametrize("fmt", FMTS)
+def test_float_paths_and_rows(level, fmt):
     """The prompt's float32 GEMM on dequantized slices and row selection read the same values."""
-    w = weight(70, 96)
+    w = weight(70, 96, fmt=fmt)
     tw = to_tiles(w)
     assert torch.equal(cpu.dequantize_rows(tw, 3, 50), w.dequantize()[3:50])
     x = torch.randn(5, 96)
     assert torch.allclose(cpu.matmul_f32(tw, x), cpu.matmul_f32(w, x))
     idx = torch.tensor([69, 0, 17, 17, 33])
     got = tw.select_rows(idx)
-    assert got.fmt == "q4" and torch.equal(got.dequantize(), w.select_rows(idx).dequantize())
-    back = from_tiles(tw)
-    assert torch.equal(back.qs, w.qs) and torch.equal(back.d, w.d) and torch.equal(back.m, w.m)
+    assert got.fmt == fmt and torch.equal(got.dequantize(), w.select_rows(idx).dequantize())
 
 
-def test_row_sparse_kernels_refuse_tiles():
-    tw = to_tiles(weight(64, 64))
+@pytest.mark.parametrize("fmt", FMTS)
+def test_row_sparse_kernels_refuse_tiles(fmt):
+    tw = to_tiles(weight(64, 64, fmt=fmt))
     with pytest.raises(ValueError, match="row-tiled"):
         cpu.gemv_rows(tw, torch.randn(64), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="row-tiled"):
@@ -191,14 +213,15 @@ def test_select_ids_into_a_buffer_and_refusals():
         cpu.select_ids(p, 1.0, ["a"])
 
 
-def test_compiled_conversion_gives_the_reference_bytes():
+@pytest.mark.parametrize("fmt", FMTS)
+def test_compiled_conversion_gives_the_reference_bytes(fmt):
     for rows, cols in SHAPES + [(64, 1536)]:
-        w = weight(rows, cols)
+        w = weight(rows, cols, fmt=fmt)
         assert torch.equal(cpu.tile(w).qs, to_tiles(w).qs), (rows, cols)
-    big = weight(64, 96)
-    strided = QWeight("q4", 32, 96, big.qs[::2], big.d[::2], big.m[::2])
+    big = weight(64, 96, fmt=fmt)
+    strided = QWeight(fmt, 32, 96, big.qs[::2], big.d[::2], None if big.m is None else big.m[::2])
     assert torch.equal(cpu.tile(strided).qs, to_tiles(strided).qs)
-    rec = cpu.interleave_rows(weight(48, 256))  # each row's scales next to its codes (strided views)
+    rec = cpu.interleave_rows(weight(48, 256, fmt=fmt))  # each row's scales next to its codes (strided views)
     assert torch.equal(cpu.tile(rec).dequantize(), rec.dequantize())
 
 
@@ -218,8 +241,8 @@ def _tiny_q4_model(tmp_path):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tiled_model_decodes_as_the_row_major_one(tmp_path, monkeypatch, mode):
-    """`tile_weights` turns the fused q/k/v and gate/up (parts as views of one buffer) and o and
-    down into tq4, leaves the embedding and tied head alone; the C decode steps then give the
+    """`tile_weights` turns the fused q/k/v and gate/up (parts as views of one buffer) and o into
+    tq4 and a q6 down into tq6, leaves the embedding and tied head alone; the C decode steps then give the
     Python layers' logits, and the tiled model's logits equal the row-major model's up to
     float summation order."""
     from sparseinfer.models.registry import tile_weights
@@ -228,12 +251,15 @@ def test_tiled_model_decodes_as_the_row_major_one(tmp_path, monkeypatch, mode):
     cpu.set_activation_mode(mode)
     monkeypatch.setenv("SPARSEINFER_TILES", "1")
     model = _tiny_q4_model(tmp_path)
+    for layer in model.layers:  # a Q4_K_M file's mix: some projections in q6
+        layer.mlp.down.weight = from_float(layer.mlp.down.weight.dequantize(), "q6")
     tokens = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(3))
     before, _ = stepwise(model, tokens)
     assert tile_weights(model) == 2 * 4
     for layer in model.layers:
         att, mlp = layer.attn, layer.mlp
-        assert {lin.weight.fmt for lin in (att.q, att.k, att.v, att.o, mlp.gate, mlp.up, mlp.down)} == {"tq4"}
+        assert {lin.weight.fmt for lin in (att.q, att.k, att.v, att.o, mlp.gate, mlp.up)} == {"tq4"}
+        assert mlp.down.weight.fmt == "tq6"
         assert att._intact() and mlp._intact()
         assert att.k.weight.qs.untyped_storage().data_ptr() == att._qkv.weight.qs.untyped_storage().data_ptr()
     assert model.embed.weight.fmt == "q4"

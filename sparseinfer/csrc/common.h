@@ -18,6 +18,8 @@
  *       TQ4_BLOCK_BYTES, codes and the 16 rows' f16 d and m together, at qs + t*nb*320.
  *       row_bytes = 20*nb is a row's share (tiles are not row-addressable: only whole-matrix
  *       products, si_gemv / si_matmul, take it); d, m are NULL.  Uses XL_NATURAL activations.
+ *   tq6: q6's values in row tiles of 16 rows, TQ6_BLOCK_BYTES per tile and block (tiles.c),
+ *       row_bytes = 28*nb; otherwise as tq4.
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
  *   Rows may be strided (`row_bytes`, `ds` above the natural widths): the neuron records of
  *   a SparseFFN keep one neuron's gate, up and down_t rows and scales in one contiguous block,
@@ -62,7 +64,7 @@
 #endif
 
 enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_Q4K = 6, FMT_TQ4 = 7,
-       FMT_COUNT = 8 };
+       FMT_TQ6 = 8, FMT_COUNT = 9 };
 enum { XL_NATURAL = 0, XL_Q4 = 1, XL_Q8K = 2 };
 #define SI_Q4K_BYTES 144 /* one q4k super-block */
 /* KV cache element types (si_attn_plan_t.kv_type; sparseinfer/kv_cache.py is the authority).
@@ -105,6 +107,7 @@ typedef struct {
  * and block of 32 inputs (codes, then the 16 rows' f16 d and m). */
 #define TQ4_ROWS 16
 #define TQ4_BLOCK_BYTES 320
+#define TQ6_BLOCK_BYTES 448 /* tq6: 256 bytes of low nibbles as tq4's, 128 of high bits, d of inputs 0-15, 16-31 */
 
 /* T quantized activation vectors, token t at q + t*q_stride etc. */
 typedef struct {
@@ -177,6 +180,10 @@ typedef struct {
      * into its sum); row 16 * tile + i of token t goes to y[t * yst + 16 (tile - t0) + i];
      * every (row, token) is computed the same way for any T.  NULL: the portable version */
     void (*tiles_q4)(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst);
+    /* row-tiled q6 (tiles.c): as tiles_q4, with s16[v * (kp / 16) + j] the sum of virtual token
+     * v's int8 codes over inputs 16j..16j+15 (for the codes' offset of 32) */
+    void (*tiles_q6)(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, const int32_t *s16, int64_t T, float *y,
+                     int64_t yst);
 } kernels_t;
 
 /* Products of up to this many tokens (batched decode: one token of each of a few sequences)

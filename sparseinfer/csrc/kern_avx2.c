@@ -1010,8 +1010,63 @@ static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, in
     }
 }
 
+/* tq6 (tiles.c), as the AVX-512 version in two halves of 8 rows, one token (or pair) at a time
+ * per pass over a block: each line's nibbles completed with their high bits to 6-bit codes,
+ * sums of inputs 0-15 and 16-31 apart, minus 32 times the token's code sums.  u8 (< 64) x s8
+ * pairs summed to i16: at most 2 * 63 * 127, and the two per 4 inputs added: 32004 < 32767. */
+static void tiles_q6(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, const int32_t *s16, int64_t T, float *y,
+                     int64_t yst) {
+    const int64_t G = w->nb, ns = w->kp / 16;
+    const int P = xq->pair;
+    const __m256i m15 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), one = _mm256_set1_epi16(1);
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t k = 0; k < T; k++) {
+            const uint8_t *tp = w->qs + t * G * TQ6_BLOCK_BYTES;
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t b = 0; b < G; b++) {
+                const uint8_t *bp = tp + b * TQ6_BLOCK_BYTES;
+                for (int o = 0; o < TQ6_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(bp + 6 * TQ6_BLOCK_BYTES + o), _MM_HINT_T0);
+                for (int h = 0; h < 2; h++) {
+                    __m256i lo[4], hi[4];
+                    for (int g = 0; g < 2; g++) {
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *)(bp + 256 + 64 * g + 32 * h));
+                        for (int e = 0; e < 2; e++) {
+                            const int l = 2 * g + e;
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(bp + 64 * l + 32 * h));
+                            const __m256i hl = e ? hb : _mm256_slli_epi16(hb, 4);
+                            const __m256i hh = e ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);
+                            lo[l] = _mm256_or_si256(_mm256_and_si256(v, m15), _mm256_and_si256(hl, m30));
+                            hi[l] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15), _mm256_and_si256(hh, m30));
+                        }
+                    }
+                    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + 384 + 16 * h)));
+                    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + 416 + 16 * h)));
+                    for (int hv = 0; hv <= P; hv++) {
+                        const int64_t v = (k << P) + hv;
+                        const int32_t *xw = (const int32_t *)(xq->q + v * xq->q_stride + 32 * b);
+                        __m256i s[2];
+                        for (int j = 0; j < 2; j++) {
+                            s[j] = _mm256_setzero_si256();
+                            for (int e = 0; e < 2; e++) {
+                                const int l = 2 * j + e;
+                                const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[l], _mm256_set1_epi32(xw[2 * l])),
+                                                                     _mm256_maddubs_epi16(hi[l], _mm256_set1_epi32(xw[2 * l + 1])));
+                                s[j] = _mm256_add_epi32(s[j], _mm256_madd_epi16(p16, one));
+                            }
+                            s[j] = _mm256_sub_epi32(s[j], _mm256_set1_epi32(32 * s16[v * ns + 2 * b + j]));
+                        }
+                        const __m256 dx = _mm256_set1_ps(xq->d[v * xq->d_stride + b]);
+                        const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(d0, dx), acc[h]);
+                        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_mul_ps(d1, dx), a);
+                    }
+                }
+            }
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + k * yst + TQ4_ROWS * (t - t0) + 8 * h, acc[h]);
+        }
+}
+
 const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, &si_attend_avx2, 8,
-                                   si_kv_store_avx2, 0, NULL, NULL, cols_group, tiles_q4};
+                                   si_kv_store_avx2, 0, NULL, NULL, cols_group, tiles_q4, tiles_q6};
 #else
 typedef int si_empty_translation_unit;
 #endif

@@ -1122,3 +1122,71 @@ static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, in
         }
     }
 }
+
+
+/* tq6 (tiles.c): as tiles_q4_tok, each line's nibbles completed to 6-bit codes with their two
+ * high bits (one ternary-logic operation per 64 codes: nibble | (high bits moved to 4-5)), the
+ * sums of inputs 0-15 and 16-31 kept apart for their own scales, and 32 times the token's code
+ * sum over those 16 inputs taken off (value = d (q - 32)); u8 (< 64) x s8 pairs summed to i16
+ * never saturate (2 * 63 * 127 < 32767). */
+AI void tiles_q6_tok(const uint8_t *tp, int64_t G, const xq_t *xq, const int32_t *s16, int64_t ns, int64_t k0,
+                     const int KN, const int P, float *y, int64_t yst) {
+    const __m512i m15 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), z = _mm512_setzero_si512();
+    __m512 acc[4][2];
+    for (int k = 0; k < KN; k++) acc[k][0] = acc[k][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < G; b++) {
+        const uint8_t *bp = tp + b * TQ6_BLOCK_BYTES;
+        for (int o = 0; o < TQ6_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(bp + 6 * TQ6_BLOCK_BYTES + o), _MM_HINT_T0);
+        __m512i lo[4], hi[4];
+        for (int h = 0; h < 2; h++) {
+            const __m512i hb = _mm512_loadu_si512(bp + 256 + 64 * h);
+            for (int e = 0; e < 2; e++) { /* line l = 2h + e: high parts in bits 4e..4e+3 */
+                const int l = 2 * h + e;
+                const __m512i v = _mm512_loadu_si512(bp + 64 * l);
+                const __m512i hl = e ? hb : _mm512_slli_epi16(hb, 4), hh = e ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+                lo[l] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, m15), hl, m30, 0xF8);  /* A | (B & C) */
+                hi[l] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), m15), hh, m30, 0xF8);
+            }
+        }
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 384)));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bp + 416)));
+        for (int k = 0; k < KN; k++)
+            for (int hv = 0; hv <= P; hv++) {
+                const int64_t v = ((k0 + k) << P) + hv;
+                const int32_t *xw = (const int32_t *)(xq->q + v * xq->q_stride + 32 * b);
+                __m512i s0 = z, s1 = z;
+                for (int l = 0; l < 2; l++) {
+                    s0 = DP512(s0, lo[l], _mm512_set1_epi32(xw[2 * l]));
+                    s0 = DP512(s0, hi[l], _mm512_set1_epi32(xw[2 * l + 1]));
+                    s1 = DP512(s1, lo[l + 2], _mm512_set1_epi32(xw[2 * l + 4]));
+                    s1 = DP512(s1, hi[l + 2], _mm512_set1_epi32(xw[2 * l + 5]));
+                }
+                const int32_t *sv = s16 + v * ns + 2 * b;
+                s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * sv[0]));
+                s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * sv[1]));
+                const __m512 dx = _mm512_set1_ps(xq->d[v * xq->d_stride + b]);
+                const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d0, dx), acc[k][b & 1]);
+                acc[k][b & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, dx), a);
+            }
+    }
+    for (int k = 0; k < KN; k++) _mm512_storeu_ps(y + (k0 + k) * yst, _mm512_add_ps(acc[k][0], acc[k][1]));
+}
+
+static void tiles_q6(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, const int32_t *s16, int64_t T, float *y,
+                     int64_t yst) {
+    const int64_t G = w->nb, ns = w->kp / 16;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tp = w->qs + t * G * TQ6_BLOCK_BYTES;
+        float *yt = y + TQ4_ROWS * (t - t0);
+        for (int64_t k0 = 0; k0 < T; k0 += 4) {
+            const int64_t kn = T - k0 < 4 ? T - k0 : 4;
+#define TOK(KN, P) tiles_q6_tok(tp, G, xq, s16, ns, k0, KN, P, yt, yst)
+            if (xq->pair) {
+                if (kn == 4) TOK(4, 1); else if (kn == 3) TOK(3, 1); else if (kn == 2) TOK(2, 1); else TOK(1, 1);
+            } else {
+                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
+            }
+#undef TOK
+        }
+    }
+}

@@ -79,10 +79,10 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
 
 /* ------------------------------------------------------------- row-tiled q4 (tiles.c) */
 
-/* y[i + t*ldy] = row i of a FMT_TQ4 weight . token t, for all rows and T tokens quantized in
- * xq (XL_NATURAL; T real tokens, pairs in precise mode); tchunk tokens at a time */
+/* y[i + t*ldy] = row i of a FMT_TQ4 / FMT_TQ6 weight . token t, for all rows and T tokens
+ * quantized in xq (XL_NATURAL; T real tokens, pairs in precise mode); tchunk tokens at a time */
 void si_tiles_dots(const qmat_t *w, const xq_t *xq, int64_t T, int64_t tchunk, float *y, int64_t ldy);
-/* row r of a FMT_TQ4 weight in float32 (cols values), the reference's d*q + m */
+/* row r of a FMT_TQ4 / FMT_TQ6 weight in float32 (cols values), the reference's values */
 void si_tq4_row(const qmat_t *w, int64_t r, float *o);
 
 #endif

@@ -151,13 +151,13 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
         if (cols % 256) return -1;
         w->row_bytes = cols / 256 * SI_Q4K_BYTES;
         break;
-    case FMT_TQ4: /* a row's share of its tiles; strides are not allowed (tiles are not rows) */
-        w->row_bytes = w->nb * (TQ4_BLOCK_BYTES / TQ4_ROWS);
+    case FMT_TQ4: case FMT_TQ6: /* a row's share of its tiles; no strides (tiles are not rows) */
+        w->row_bytes = w->nb * ((fmt == FMT_TQ4 ? TQ4_BLOCK_BYTES : TQ6_BLOCK_BYTES) / TQ4_ROWS);
         if ((qs_stride && qs_stride != w->row_bytes) || d_stride > 0) return -1;
         break;
     default: w->row_bytes = w->kp / 2; break;
     }
-    w->nd = fmt == FMT_Q6 ? 2 * w->nb : fmt == FMT_Q4K || fmt == FMT_TQ4 ? 0 : w->nb;
+    w->nd = fmt == FMT_Q6 ? 2 * w->nb : fmt == FMT_Q4K || fmt == FMT_TQ4 || fmt == FMT_TQ6 ? 0 : w->nb;
     w->ds = w->nd;
     /* strides: 0 = natural; never below the natural widths */
     if (qs_stride) {
@@ -168,9 +168,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
         if (d_stride < w->nd) return -1;
         w->ds = d_stride;
     }
-    if (fmt >= FMT_Q8 && fmt != FMT_Q4K && fmt != FMT_TQ4 && !d && rows > 0) return -1;
+    if (fmt >= FMT_Q8 && fmt != FMT_Q4K && fmt != FMT_TQ4 && fmt != FMT_TQ6 && !d && rows > 0) return -1;
     if (fmt == FMT_Q4 && !m && rows > 0) return -1;
-    if (fmt < FMT_Q8 || fmt == FMT_Q4K || fmt == FMT_TQ4) w->d = w->m = NULL, w->ds = 0;
+    if (fmt < FMT_Q8 || fmt == FMT_Q4K || fmt == FMT_TQ4 || fmt == FMT_TQ6) w->d = w->m = NULL, w->ds = 0;
     if (fmt == FMT_Q6) w->m = NULL;
     return 0;
 }
@@ -181,8 +181,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
  * the call).  Slots: 0,1 = quantized activations, 2 = ffn temporaries, 3 = compaction,
  * 4 = axpy partial sums, 5 = attention scores, 6 = fused decode steps (decode.c),
  * 7 = a worker's temporaries in the neuron-record FFN pass, 8,9 = activations of slot 0,1
- * packed for AMX tiles, 10 = axpy rows in tile order. */
-static _Thread_local struct { void *p; size_t n; } TLS[11];
+ * packed for AMX tiles, 10 = axpy rows in tile order, 11 = the per-16 activation sums of
+ * row-tiled q6 products (tiles.c). */
+static _Thread_local struct { void *p; size_t n; } TLS[12];
 
 void *si_scratch(int slot, size_t n) {
     if (TLS[slot].n < n) {

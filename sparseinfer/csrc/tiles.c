@@ -25,26 +25,51 @@
  * with the integer sums exact, blocks in order into two alternating float accumulators that
  * are added at the end.  Each (tile, token) is computed by one kernel call in that fixed
  * order for any number of tokens, so the result depends neither on the thread count nor on
- * how many tokens share the call (a prompt row equals the one-token product). */
+ * how many tokens share the call (a prompt row equals the one-token product).
+ *
+ * tq6 holds q6's values (value = d16 * (q - 32), q in 0..63, an f16 scale per 16 inputs) the
+ * same way, TQ6_BLOCK_BYTES = 448 per tile and block: the four lines of low nibbles exactly as
+ * tq4's, then two lines of high bits (line h, byte 4i + c: the 2-bit high parts of inputs
+ * 16h + c, 16h + 4 + c, 16h + 8 + c, 16h + 12 + c of row i, in bits 0-1, 2-3, 4-5, 6-7), then
+ * the 16 rows' f16 d of inputs 0..15 (32 bytes) and of inputs 16..31 (32 bytes).  A block
+ * contributes, per term and per half j of 16 inputs,
+ *   y[r] += d_x d_j[r] (sum_i q_x[i] q[r][i] - 32 sum_i q_x[i])
+ * the per-16 sums of the token's codes computed once per call. */
 #define _GNU_SOURCE
 #include "ops_internal.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-/* the code of row i (< 16), input c (< 32) of a tile's block at bp */
+/* the code of row i (< 16), input c (< 32) of a tile's block at bp: tq4's 4 bits (the low
+ * nibbles of tq6) */
 static int tq4_code(const uint8_t *bp, int i, int c) {
     const int l = c / 8, k = c % 8;
     const uint8_t v = bp[64 * l + 4 * i + k % 4];
     return k < 4 ? v & 15 : v >> 4;
 }
 
+/* tq6: the whole 6-bit code */
+static int tq6_code(const uint8_t *bp, int i, int c) {
+    const int h = c / 16, k = c % 16;
+    return tq4_code(bp, i, c) | (((bp[256 + 64 * h + 4 * i + k % 4] >> (2 * (k / 4))) & 3) << 4);
+}
+
+static int64_t block_bytes(const qmat_t *w) { return w->fmt == FMT_TQ6 ? TQ6_BLOCK_BYTES : TQ4_BLOCK_BYTES; }
+
 void si_tq4_row(const qmat_t *w, int64_t r, float *o) {
-    const int64_t t = r / TQ4_ROWS;
+    const int64_t t = r / TQ4_ROWS, bb = block_bytes(w);
     const int i = (int)(r % TQ4_ROWS);
     for (int64_t b = 0; b < w->nb; b++) {
-        const uint8_t *bp = w->qs + (t * w->nb + b) * TQ4_BLOCK_BYTES;
+        const uint8_t *bp = w->qs + (t * w->nb + b) * bb;
         uint16_t dh, mh;
+        if (w->fmt == FMT_TQ6) {
+            for (int c = 0; c < 32 && 32 * b + c < w->cols; c++) {
+                memcpy(&dh, bp + 384 + 32 * (c / 16) + 2 * i, 2);
+                o[32 * b + c] = si_h2f(dh) * (float)(tq6_code(bp, i, c) - 32);
+            }
+            continue;
+        }
         memcpy(&dh, bp + 256 + 2 * i, 2);
         memcpy(&mh, bp + 288 + 2 * i, 2);
         const float d = si_h2f(dh), m = si_h2f(mh);
@@ -77,13 +102,53 @@ static void tiles_q4_portable(const qmat_t *w, int64_t t0, int64_t t1, const xq_
             }
 }
 
+static void tiles_q6_portable(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, const int32_t *s16, int64_t T,
+                              float *y, int64_t yst) {
+    const int P = xq->pair;
+    const int64_t ns = w->kp / 16;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t k = 0; k < T; k++)
+            for (int i = 0; i < TQ4_ROWS; i++) {
+                float acc[2] = {0.0f, 0.0f};
+                for (int64_t b = 0; b < w->nb; b++) {
+                    const uint8_t *bp = w->qs + (t * w->nb + b) * TQ6_BLOCK_BYTES;
+                    uint16_t dh[2];
+                    memcpy(&dh[0], bp + 384 + 2 * i, 2);
+                    memcpy(&dh[1], bp + 416 + 2 * i, 2);
+                    for (int h = 0; h <= P; h++) {
+                        const int64_t v = (k << P) + h;
+                        const int8_t *q = xq->q + v * xq->q_stride + 32 * b;
+                        const float dx = xq->d[v * xq->d_stride + b];
+                        for (int j = 0; j < 2; j++) {
+                            int32_t sum = 0;
+                            for (int c = 16 * j; c < 16 * j + 16; c++) sum += (int32_t)q[c] * tq6_code(bp, i, c);
+                            sum -= 32 * s16[v * ns + 2 * b + j];
+                            acc[b & 1] += (float)sum * (si_h2f(dh[j]) * dx);
+                        }
+                    }
+                }
+                y[k * yst + TQ4_ROWS * (t - t0) + i] = acc[0] + acc[1];
+            }
+}
+
 typedef struct {
     const qmat_t *w;
     void (*fn)(const qmat_t *, int64_t, int64_t, const xq_t *, int64_t, float *, int64_t);
+    void (*fn6)(const qmat_t *, int64_t, int64_t, const xq_t *, const int32_t *, int64_t, float *, int64_t);
+    const int32_t *s16;
     const xq_t *xq;
     int64_t T, tchunk, chunk, ntiles, ldy;
     float *y;
 } tiles_ctx;
+
+/* one call of the format's kernel */
+static void tiles_call(const tiles_ctx *a, int64_t t0, int64_t t1, const xq_t *s, int64_t k0, int64_t kn, float *y,
+                       int64_t yst) {
+    if (a->w->fmt == FMT_TQ6)
+        a->fn6(a->w, t0, t1, s, a->s16 + (k0 << a->xq->pair) * (a->w->kp / 16), kn, y, yst);
+    else
+        a->fn(a->w, t0, t1, s, kn, y, yst);
+}
 
 /* tokens [k0, k0 + kn) of xq (real tokens: 2 virtual ones each in pair mode) */
 static xq_t tokens_from(const xq_t *xq, int64_t k0) {
@@ -106,12 +171,12 @@ static void tiles_task(void *p, int64_t c) {
     for (int64_t k0 = 0; k0 < a->T; k0 += a->tchunk) {
         const int64_t kn = a->T - k0 < a->tchunk ? a->T - k0 : a->tchunk;
         const xq_t s = tokens_from(a->xq, k0);
-        if (tf > t0) a->fn(w, t0, tf, &s, kn, a->y + k0 * a->ldy + TQ4_ROWS * t0, a->ldy);
+        if (tf > t0) tiles_call(a, t0, tf, &s, k0, kn, a->y + k0 * a->ldy + TQ4_ROWS * t0, a->ldy);
         for (int64_t ka = 0; t1 > tf && ka < kn; ka += TAIL_TOKENS) { /* the last tile, partly padding */
             float tmp[TQ4_ROWS * TAIL_TOKENS];
             const int64_t kb = kn - ka < TAIL_TOKENS ? kn - ka : TAIL_TOKENS;
             const xq_t st = tokens_from(&s, ka);
-            a->fn(w, tf, t1, &st, kb, tmp, TQ4_ROWS);
+            tiles_call(a, tf, t1, &st, k0 + ka, kb, tmp, TQ4_ROWS);
             for (int64_t k = 0; k < kb; k++)
                 memcpy(a->y + (k0 + ka + k) * a->ldy + TQ4_ROWS * tf, tmp + TQ4_ROWS * k,
                        (size_t)(w->rows - TQ4_ROWS * tf) * sizeof(float));
@@ -123,13 +188,26 @@ void si_tiles_dots(const qmat_t *w, const xq_t *xq, int64_t T, int64_t tchunk, f
     const kernels_t *k = si_kern();
     const int64_t ntiles = (w->rows + TQ4_ROWS - 1) / TQ4_ROWS;
     /* about 4 chunks per thread, >= ~32 KB each (row_chunk's reasoning, in tiles) */
-    const int64_t tile_bytes = w->nb * TQ4_BLOCK_BYTES;
+    const int64_t tile_bytes = w->nb * block_bytes(w);
     int64_t chunk = (ntiles + 4 * nthreads() - 1) / (4 * nthreads());
     const int64_t minc = (32768 + tile_bytes - 1) / tile_bytes;
     if (chunk < minc && T <= FEW_TOKENS) chunk = minc;
     if (chunk < 1) chunk = 1;
-    tiles_ctx a = {w, k->tiles_q4 ? k->tiles_q4 : tiles_q4_portable, xq, T, tchunk < 1 ? 1 : tchunk, chunk, ntiles,
-                   ldy, y};
+    int32_t *s16 = NULL;
+    if (w->fmt == FMT_TQ6) { /* each (virtual) token's code sums per 16 inputs */
+        const int64_t nv = T << xq->pair, ns = w->kp / 16;
+        s16 = scratch(11, (size_t)(nv * ns) * sizeof(int32_t) + 64);
+        if (!s16) abort();
+        for (int64_t v = 0; v < nv; v++)
+            for (int64_t j = 0; j < ns; j++) {
+                const int8_t *q = xq->q + v * xq->q_stride + 16 * j;
+                int32_t sum = 0;
+                for (int c = 0; c < 16; c++) sum += q[c];
+                s16[v * ns + j] = sum;
+            }
+    }
+    tiles_ctx a = {w, k->tiles_q4 ? k->tiles_q4 : tiles_q4_portable, k->tiles_q6 ? k->tiles_q6 : tiles_q6_portable, s16,
+                   xq, T, tchunk < 1 ? 1 : tchunk, chunk, ntiles, ldy, y};
     run(tiles_task, &a, (ntiles + chunk - 1) / chunk, ntiles * tile_bytes * (T > FEW_TOKENS ? 64 : T));
 }
 
@@ -142,7 +220,7 @@ void si_gemv_tiles_int8(const qmat_t *w, const float *x, float *y) {
     si_tiles_dots(w, &xq, 1, 1, y, 0);
 }
 
-/* ------------------------------------------------------- row-major q4 -> row tiles */
+/* ---------------------------------------------- row-major q4 / q6 -> row tiles */
 
 typedef struct {
     const qmat_t *w;
@@ -152,25 +230,34 @@ typedef struct {
 static void tile_task(void *p, int64_t t) {
     const tile_ctx *a = p;
     const qmat_t *w = a->w;
+    const int q6 = w->fmt == FMT_Q6;
+    const int64_t bb = q6 ? TQ6_BLOCK_BYTES : TQ4_BLOCK_BYTES;
     for (int64_t b = 0; b < w->nb; b++) {
-        uint8_t *bp = a->out + (t * w->nb + b) * TQ4_BLOCK_BYTES;
-        memset(bp, 0, TQ4_BLOCK_BYTES);
+        uint8_t *bp = a->out + (t * w->nb + b) * bb;
+        memset(bp, 0, (size_t)bb);
         for (int i = 0; i < TQ4_ROWS; i++) {
             const int64_t r = TQ4_ROWS * t + i;
             if (r >= w->rows) break;
-            const uint8_t *qb = w->qs + r * w->row_bytes + 16 * b; /* byte j: value j | value j + 16 << 4 */
+            const uint8_t *row = w->qs + r * w->row_bytes, *qb = row + 16 * b; /* q4: byte j = value j | j + 16 << 4 */
             for (int c = 0; c < 32; c++) {
-                const int code = c < 16 ? qb[c] & 15 : qb[c - 16] >> 4, l = c / 8, k = c % 8;
-                bp[64 * l + 4 * i + k % 4] |= (uint8_t)(k < 4 ? code : code << 4);
+                const int code = q6 ? si_q6_code(row, w->nb, b, c) : c < 16 ? qb[c] & 15 : qb[c - 16] >> 4;
+                const int l = c / 8, k = c % 8;
+                bp[64 * l + 4 * i + k % 4] |= (uint8_t)(k < 4 ? code & 15 : (code & 15) << 4);
+                if (q6) bp[256 + 64 * (c / 16) + 4 * i + c % 4] |= (uint8_t)((code >> 4) << (2 * ((c % 16) / 4)));
             }
-            memcpy(bp + 256 + 2 * i, w->d + r * w->ds + b, 2);
-            memcpy(bp + 288 + 2 * i, w->m + r * w->ds + b, 2);
+            if (q6) {
+                memcpy(bp + 384 + 2 * i, w->d + r * w->ds + 2 * b, 2);
+                memcpy(bp + 416 + 2 * i, w->d + r * w->ds + 2 * b + 1, 2);
+            } else {
+                memcpy(bp + 256 + 2 * i, w->d + r * w->ds + b, 2);
+                memcpy(bp + 288 + 2 * i, w->m + r * w->ds + b, 2);
+            }
         }
     }
 }
 
-void si_tile_q4(const qmat_t *w, uint8_t *out) {
+void si_tile_rows(const qmat_t *w, uint8_t *out) {
     tile_ctx a = {w, out};
     const int64_t ntiles = (w->rows + TQ4_ROWS - 1) / TQ4_ROWS;
-    run(tile_task, &a, ntiles, ntiles * w->nb * TQ4_BLOCK_BYTES);
+    run(tile_task, &a, ntiles, ntiles * w->nb * TQ6_BLOCK_BYTES);
 }
