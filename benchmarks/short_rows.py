@@ -10,7 +10,7 @@ long-row matrix for comparison), times
 alternated in each round, the caches flushed (64 MB written) before every call; reports the
 median over rounds of each one's median time and the bytes it read per second.
 
-`--model-shapes` instead compares row-major q4 with the same values in row tiles on a model's
+`--model-shapes` instead compares row-major q4 and q6 with the same values in row tiles on a model's
 own shapes, per kernel level: one token and 64 tokens on one thread from the cache (the
 kernels' instruction-bound speed), and one token on `-t` threads from memory (8960x1536, 8
 copies rotated so they do not fit the last-level cache); medians of alternated runs.
@@ -47,11 +47,11 @@ def model_shapes(levels: list[str], threads: int, rounds: int) -> list[dict]:
     out = []
     old = cpu.simd_level()
     try:
-        for lvl in levels:
+        for lvl, fmt in [(lv, f) for lv in levels for f in ("q4", "q6")]:
             cpu._cpu.set_simd_level(lvl)
             cpu.set_num_threads(1)
             for n, k in [(512, 1536), (256, 8960)]:
-                w = from_float(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), "q4")
+                w = from_float(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
                 tw, x, xs = cpu.tile(w), torch.randn(k), torch.randn(64, k)
                 for what, fn, reps in (("1 token, 1 thread, cache", cpu.gemv, 200), ("64 tokens, 1 thread", cpu.matmul, 20)):
                     arg = x if fn is cpu.gemv else xs
@@ -59,10 +59,10 @@ def model_shapes(levels: list[str], threads: int, rounds: int) -> list[dict]:
                     for _ in range(rounds):
                         r.append(_median_seconds(lambda: fn(w, arg), reps))
                         t.append(_median_seconds(lambda: fn(tw, arg), reps))
-                    out.append({"level": lvl, "shape": f"{n}x{k}", "case": what, "rows_s": statistics.median(r),
-                                "tiles_s": statistics.median(t)})
+                    out.append({"level": lvl, "format": fmt, "shape": f"{n}x{k}", "case": what,
+                                "rows_s": statistics.median(r), "tiles_s": statistics.median(t)})
             cpu.set_num_threads(threads)
-            ws = [from_float(torch.randn(8960, 1536), "q4") for _ in range(8)]
+            ws = [from_float(torch.randn(8960, 1536), fmt) for _ in range(8)]
             ts_ = [cpu.tile(w) for w in ws]
             x = torch.randn(1536)
 
@@ -77,13 +77,13 @@ def model_shapes(levels: list[str], threads: int, rounds: int) -> list[dict]:
             for _ in range(rounds):
                 r.append(_median_seconds(cycle(ws), 40))
                 t.append(_median_seconds(cycle(ts_), 40))
-            out.append({"level": lvl, "shape": "8960x1536", "case": f"1 token, {threads} threads, memory",
+            out.append({"level": lvl, "format": fmt, "shape": "8960x1536", "case": f"1 token, {threads} threads, memory",
                         "rows_s": statistics.median(r), "tiles_s": statistics.median(t)})
     finally:
         cpu._cpu.set_simd_level(old)
     for rec in out:
-        print(f"{rec['level']:>11} {rec['shape']:>9} {rec['case']:<28} q4 rows {rec['rows_s'] * 1e6:9.1f} us  "
-              f"tq4 {rec['tiles_s'] * 1e6:9.1f} us  ({rec['rows_s'] / rec['tiles_s']:.2f}x)", flush=True)
+        print(f"{rec['level']:>11} {rec['shape']:>9} {rec['case']:<28} {rec['format']} rows {rec['rows_s'] * 1e6:9.1f} us  "
+              f"t{rec['format']} {rec['tiles_s'] * 1e6:9.1f} us  ({rec['rows_s'] / rec['tiles_s']:.2f}x)", flush=True)
     return out
 
 

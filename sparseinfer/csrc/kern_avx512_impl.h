@@ -1105,21 +1105,26 @@ AI void tiles_q4_tok(const uint8_t *tp, int64_t G, const xq_t *xq, int64_t k0, c
     for (int k = 0; k < KN; k++) _mm512_storeu_ps(y + (k0 + k) * yst, _mm512_add_ps(acc[k][0], acc[k][1]));
 }
 
+/* the T tokens in groups of up to 4, TOK(KN, P) instantiated for each group size and for the
+ * pair mode (P = 1) or not; k0 is the group's first token */
+#define FOR_TOKEN_GROUPS(T, pair, TOK)                                                                      \
+    for (int64_t k0 = 0; k0 < (T); k0 += 4) {                                                               \
+        const int64_t kn = (T) - k0 < 4 ? (T) - k0 : 4;                                                      \
+        if (pair) {                                                                                          \
+            if (kn == 4) TOK(4, 1); else if (kn == 3) TOK(3, 1); else if (kn == 2) TOK(2, 1); else TOK(1, 1); \
+        } else {                                                                                             \
+            if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0); \
+        }                                                                                                    \
+    }
+
 static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
     const int64_t G = w->nb;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tp = w->qs + t * G * TQ4_BLOCK_BYTES;
         float *yt = y + TQ4_ROWS * (t - t0);
-        for (int64_t k0 = 0; k0 < T; k0 += 4) {
-            const int64_t kn = T - k0 < 4 ? T - k0 : 4;
 #define TOK(KN, P) tiles_q4_tok(tp, G, xq, k0, KN, P, yt, yst)
-            if (xq->pair) {
-                if (kn == 4) TOK(4, 1); else if (kn == 3) TOK(3, 1); else if (kn == 2) TOK(2, 1); else TOK(1, 1);
-            } else {
-                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
-            }
+        FOR_TOKEN_GROUPS(T, xq->pair, TOK)
 #undef TOK
-        }
     }
 }
 
@@ -1178,15 +1183,9 @@ static void tiles_q6(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, co
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tp = w->qs + t * G * TQ6_BLOCK_BYTES;
         float *yt = y + TQ4_ROWS * (t - t0);
-        for (int64_t k0 = 0; k0 < T; k0 += 4) {
-            const int64_t kn = T - k0 < 4 ? T - k0 : 4;
 #define TOK(KN, P) tiles_q6_tok(tp, G, xq, s16, ns, k0, KN, P, yt, yst)
-            if (xq->pair) {
-                if (kn == 4) TOK(4, 1); else if (kn == 3) TOK(3, 1); else if (kn == 2) TOK(2, 1); else TOK(1, 1);
-            } else {
-                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
-            }
+        FOR_TOKEN_GROUPS(T, xq->pair, TOK)
 #undef TOK
-        }
     }
 }
+#undef FOR_TOKEN_GROUPS

@@ -641,13 +641,14 @@ def interleave_pays(w: QWeight) -> bool:
             and available() and simd_level().startswith("avx512"))
 
 
-# Kernel levels whose dense products read q4 and q6 weights in row tiles (tq4, tq6,
-# csrc/tiles.c) by default: `load` converts the dense projections' weights to them (`models.registry.tile_weights`).
-# $SPARSEINFER_TILES=1 or 0 overrides.  Chosen by `python benchmarks/compare_llamacpp.py
-# --ours-args="--dense SPARSEINFER_TILES=0" --ours-args="--dense SPARSEINFER_TILES=1"`, alternated
-# (docs/kernels.md has the measurements): not yet avx512amx, whose prompt products run on the
-# AMX unit from row-major q4 and were not compared.
-ROW_TILE_LEVELS: tuple[str, ...] = ("avx2", "avx512", "avx512vnni")
+# Kernel levels whose dense products read weights in row tiles (tq4, tq6, csrc/tiles.c) by
+# default, and the formats they tile: `load` converts the dense projections' weights
+# (`models.registry.tile_weights`); $SPARSEINFER_TILES=1 (every level, q4 and q6) or 0 overrides.
+# Chosen by `python benchmarks/compare_llamacpp.py --ours-args="--dense SPARSEINFER_TILES=0"
+# --ours-args="--dense"`, alternated (docs/kernels.md has the measurements): on avx2 q6 stays
+# row-major (its prompts ran slower tiled), and avx512amx, whose prompt products run on the
+# AMX unit from row-major weights, was not compared.
+ROW_TILE_LEVELS: dict[str, tuple[str, ...]] = {"avx2": ("q4",), "avx512": ("q4", "q6"), "avx512vnni": ("q4", "q6")}
 
 
 def tiles_pay(w: QWeight) -> bool:
@@ -658,7 +659,7 @@ def tiles_pay(w: QWeight) -> bool:
     env = os.environ.get("SPARSEINFER_TILES", "").strip()
     if env in ("0", "1"):
         return env == "1"
-    return simd_level() in ROW_TILE_LEVELS
+    return w.fmt in ROW_TILE_LEVELS.get(simd_level(), ())
 
 
 def tile(w: QWeight) -> QWeight:
