@@ -239,19 +239,26 @@ static void tile_task(void *p, int64_t t) {
             const int64_t r = TQ4_ROWS * t + i;
             if (r >= w->rows) break;
             const uint8_t *row = w->qs + r * w->row_bytes, *qb = row + 16 * b; /* q4: byte j = value j | j + 16 << 4 */
-            for (int c = 0; c < 32; c++) {
-                const int code = q6 ? si_q6_code(row, w->nb, b, c) : c < 16 ? qb[c] & 15 : qb[c - 16] >> 4;
-                const int l = c / 8, k = c % 8;
-                bp[64 * l + 4 * i + k % 4] |= (uint8_t)(k < 4 ? code & 15 : (code & 15) << 4);
-                if (q6) bp[256 + 64 * (c / 16) + 4 * i + c % 4] |= (uint8_t)((code >> 4) << (2 * ((c % 16) / 4)));
-            }
-            if (q6) {
-                memcpy(bp + 384 + 2 * i, w->d + r * w->ds + 2 * b, 2);
-                memcpy(bp + 416 + 2 * i, w->d + r * w->ds + 2 * b + 1, 2);
-            } else {
+            if (!q6) { /* 4 bytes at a time: line l, byte 4i + c = code(8l + c) | code(8l + 4 + c) << 4 */
+                uint32_t v[4], line[4];
+                memcpy(v, qb, 16);
+                const uint32_t lo = 0x0F0F0F0Fu, hi = 0xF0F0F0F0u;
+                line[0] = (v[0] & lo) | ((v[1] & lo) << 4);
+                line[1] = (v[2] & lo) | ((v[3] & lo) << 4);
+                line[2] = ((v[0] >> 4) & lo) | (v[1] & hi);
+                line[3] = ((v[2] >> 4) & lo) | (v[3] & hi);
+                for (int l = 0; l < 4; l++) memcpy(bp + 64 * l + 4 * i, &line[l], 4);
                 memcpy(bp + 256 + 2 * i, w->d + r * w->ds + b, 2);
                 memcpy(bp + 288 + 2 * i, w->m + r * w->ds + b, 2);
+                continue;
             }
+            for (int c = 0; c < 32; c++) {
+                const int code = si_q6_code(row, w->nb, b, c), l = c / 8, k = c % 8;
+                bp[64 * l + 4 * i + k % 4] |= (uint8_t)(k < 4 ? code & 15 : (code & 15) << 4);
+                bp[256 + 64 * (c / 16) + 4 * i + c % 4] |= (uint8_t)((code >> 4) << (2 * ((c % 16) / 4)));
+            }
+            memcpy(bp + 384 + 2 * i, w->d + r * w->ds + 2 * b, 2);
+            memcpy(bp + 416 + 2 * i, w->d + r * w->ds + 2 * b + 1, 2);
         }
     }
 }
