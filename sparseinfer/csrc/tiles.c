@@ -239,17 +239,41 @@ static void tile_task(void *p, int64_t t) {
             const int64_t r = TQ4_ROWS * t + i;
             if (r >= w->rows) break;
             const uint8_t *row = w->qs + r * w->row_bytes, *qb = row + 16 * b; /* q4: byte j = value j | j + 16 << 4 */
-            if (!q6) { /* 4 bytes at a time: line l, byte 4i + c = code(8l + c) | code(8l + 4 + c) << 4 */
+            /* 4 bytes at a time: line l, byte 4i + c = code(8l + c) | code(8l + 4 + c) << 4 (low
+             * nibbles of q6's codes), from 16 bytes in q4's block order: a q4 block, or one of a
+             * q6 group's 4 blocks (quant.py has the q6 layout) */
+            const int64_t g = b / 4, gb = b % 4;
+            const int fast6 = q6 && b < w->nb / 4 * 4;
+            if (!q6 || fast6) {
                 uint32_t v[4], line[4];
-                memcpy(v, qb, 16);
+                memcpy(v, q6 ? row + 96 * g + 16 * gb : qb, 16);
                 const uint32_t lo = 0x0F0F0F0Fu, hi = 0xF0F0F0F0u;
                 line[0] = (v[0] & lo) | ((v[1] & lo) << 4);
                 line[1] = (v[2] & lo) | ((v[3] & lo) << 4);
                 line[2] = ((v[0] >> 4) & lo) | (v[1] & hi);
                 line[3] = ((v[2] >> 4) & lo) | (v[3] & hi);
                 for (int l = 0; l < 4; l++) memcpy(bp + 64 * l + 4 * i, &line[l], 4);
-                memcpy(bp + 256 + 2 * i, w->d + r * w->ds + b, 2);
-                memcpy(bp + 288 + 2 * i, w->m + r * w->ds + b, 2);
+                if (!q6) {
+                    memcpy(bp + 256 + 2 * i, w->d + r * w->ds + b, 2);
+                    memcpy(bp + 288 + 2 * i, w->m + r * w->ds + b, 2);
+                    continue;
+                }
+                /* high parts: value j < 16 of group block gb in byte 16 (gb % 2) + j of the group's
+                 * 32 high bytes, bits 2 (gb / 2); value 16 + j in the same byte, bits 2 (2 + gb / 2);
+                 * high line h, byte 4i + c, bits 2k: input 16h + 4k + c */
+                const uint8_t *hb = row + 96 * g + 64 + 16 * (gb % 2);
+                for (int h = 0; h < 2; h++) {
+                    const int sh = 2 * (2 * h + gb / 2);
+                    uint32_t out = 0;
+                    for (int k = 0; k < 4; k++) {
+                        uint32_t word;
+                        memcpy(&word, hb + 4 * k, 4);
+                        out |= ((word >> sh) & 0x03030303u) << (2 * k);
+                    }
+                    memcpy(bp + 256 + 64 * h + 4 * i, &out, 4);
+                }
+                memcpy(bp + 384 + 2 * i, w->d + r * w->ds + 2 * b, 2);
+                memcpy(bp + 416 + 2 * i, w->d + r * w->ds + 2 * b + 1, 2);
                 continue;
             }
             for (int c = 0; c < 32; c++) {
