@@ -16,7 +16,8 @@ Records cited by docs/performance.md (which gives the exact commands) are in ben
    sorted row ids), timed against the dense kernel reading the same bytes; sparse_ffn also on
    neuron records (q4/q8: one contiguous gate+up+down_t record per neuron).  q6 (GGUF Q6_K
    tensors) and q4k (Q4_K as stored, with --formats q4k) have row kernels only: gemv and
-   gemv_rows.
+   gemv_rows.  tq4 / tq6 (q4 / q6 in row tiles, with --formats tq4,tq6) have dense products
+   only: gemv (and matmul in the prompt section).
 4. Input-sparse products on column-grouped q4 weights (`gemv_cols`, q4 only) on both shapes at
    the same kept fractions of the inputs (random x, threshold at the quantile), against the
    dense q4 gemv of the same shape.
@@ -39,7 +40,7 @@ import time
 import torch
 
 from sparseinfer.kernels import cpu
-from sparseinfer.quant import QWeight, from_float, to_cols
+from sparseinfer.quant import TILE_FORMATS, QWeight, from_float, from_tiles, to_cols
 from sparseinfer.sparse.speed import cpu_name
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
@@ -128,6 +129,12 @@ def random_rows_probe(row_bytes, frac, nbytes=1 << 30, reps=5):
     return n * row_bytes / best / 1e9
 
 
+def quantized(w32: torch.Tensor, fmt: str) -> QWeight:
+    """`w32` in `fmt`; tq4 / tq6: q4 / q6 in row tiles on huge pages (what `load` gives the dense
+    projections on the levels that tile them)."""
+    return cpu.tile(from_float(w32, fmt[1:])) if fmt in TILE_FORMATS else from_float(w32, fmt)
+
+
 def copy_weight(w: QWeight, layout: str = "auto") -> QWeight:
     """A fresh copy of `w` on huge pages.  layout "rows": each row's scales next to its values
     (`cpu.interleave_rows`); "split": values, scales and mins as three separate tensors; "auto":
@@ -135,6 +142,8 @@ def copy_weight(w: QWeight, layout: str = "auto") -> QWeight:
     (`cpu.interleave_pays`)."""
     if w.fmt in ("q4", "q8", "q6") and (layout == "rows" or (layout == "auto" and cpu.interleave_pays(w))):
         return cpu.interleave_rows(w)
+    if w.fmt in TILE_FORMATS:
+        return cpu.tile(from_tiles(w))
 
     def cl(t):
         if t is None:
@@ -147,7 +156,7 @@ def copy_weight(w: QWeight, layout: str = "auto") -> QWeight:
 
 def weight_set(fmt, rows, cols, target_bytes, seed, layout="auto"):
     g = torch.Generator().manual_seed(seed)
-    base = from_float(torch.randn(rows, cols, generator=g) * 0.02, fmt)
+    base = quantized(torch.randn(rows, cols, generator=g) * 0.02, fmt)
     n = max(2, math.ceil(target_bytes / base.nbytes))
     return [copy_weight(base, layout) for _ in range(n)]
 
@@ -235,7 +244,7 @@ class Bench:
     def cached(self, fmt, rows, cols, keep_rows=512):
         """The one-token product on one thread from the cache (keep_rows x cols, called over and
         over): the kernel's instruction-bound speed, which memory-bound runs cannot show."""
-        w = from_float(torch.randn(keep_rows, cols) * 0.02, fmt)
+        w = quantized(torch.randn(keep_rows, cols) * 0.02, fmt)
         x, y = torch.randn(cols), torch.empty(keep_rows)
         old = cpu.get_num_threads()
         cpu.set_num_threads(1)
@@ -373,7 +382,7 @@ class Bench:
             x = torch.randn(m, d_model)
             ops = 2 * m * d_ff * d_model
             for fmt in self.args.formats:
-                w = from_float(w32, fmt)
+                w = quantized(w32, fmt)
                 cpu.matmul(w, x)
                 t = best_time(lambda: cpu.matmul(w, x), 3)
                 self.add("matmul", fmt, d_ff, d_model, 1.0, t, w.nbytes, tokens=m, gops=ops / t / 1e9)
@@ -694,7 +703,8 @@ def main(argv=None):
         for fmt in args.formats:
             b.reprobe()
             t = b.dense(fmt, [(d_ff, d_model), (d_model, d_ff)])
-            b.sparse(fmt, d_ff, d_model, t[(d_ff, d_model)], t[(d_model, d_ff)])
+            if fmt not in TILE_FORMATS:  # tiles have no row-sparse kernels
+                b.sparse(fmt, d_ff, d_model, t[(d_ff, d_model)], t[(d_model, d_ff)])
             if fmt == "q4":
                 b.cols(t)
         if not args.no_extras:
