@@ -299,3 +299,34 @@ def test_sparse_ffn_from_a_tiled_mlp(tmp_path, monkeypatch, permuted):
     x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         torch.testing.assert_close(ffn(x), mlp(x), atol=2e-3, rtol=2e-3)
+
+
+def test_fused_q6_groups_tile_as_tq6(tmp_path, monkeypatch):
+    """A fused group held in q6 (a file whose q, k and v are all Q6_K) becomes one tq6 weight
+    with tq6 views as its parts; the decode steps still give the Python layers' logits."""
+    from sparseinfer.models.layers import fuse_linears
+    from sparseinfer.models.registry import tile_weights
+    from test_decode_step import Count, python_path, stepwise
+
+    cpu.set_activation_mode("precise")
+    monkeypatch.setenv("SPARSEINFER_TILES", "1")
+    model = _tiny_q4_model(tmp_path)
+    for layer in model.layers:
+        att = layer.attn
+        for lin in (att.q, att.k, att.v):
+            lin.weight = from_float(lin.weight.dequantize(), "q6")
+        att._qkv = fuse_linears(att.q, att.k, att.v)
+        att._parts = (att.q.weight, att.k.weight, att.v.weight)
+    tokens = torch.randint(3, 250, (1, 10), generator=torch.Generator().manual_seed(4))
+    before, _ = stepwise(model, tokens)
+    tile_weights(model)
+    for layer in model.layers:
+        att = layer.attn
+        assert att._intact() and att._qkv.weight.fmt == "tq6"
+        assert {lin.weight.fmt for lin in (att.q, att.k, att.v)} == {"tq6"}
+    count = Count(monkeypatch)
+    fast, _ = stepwise(model, tokens)
+    assert count.n["attn"] == 2 * 6
+    slow, _ = python_path(model, tokens, monkeypatch)
+    torch.testing.assert_close(fast, slow, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(fast, before, atol=1e-3, rtol=1e-3)

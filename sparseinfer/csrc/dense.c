@@ -159,7 +159,7 @@ static void deq_row(const qmat_t *w, int64_t r, float *o) {
         return;
     }
     if (w->fmt == FMT_TQ4 || w->fmt == FMT_TQ6) {
-        si_tq4_row(w, r, o);
+        si_tile_row(w, r, o);
         return;
     }
     if (w->fmt == FMT_Q4K) { /* value = d*sc*q - dmin*mn per sub-block of 32 (common.h) */

@@ -66,7 +66,7 @@ static int get_qmat(PyObject *o, qmat_t *w, int allow_none, int *is_none) {
     return 0;
 }
 
-/* row-tiled (tq4) weights are read only whole (gemv, matmul): row lists need row-major rows */
+/* row-tiled (tq4, tq6) weights are read only whole (gemv, matmul): row lists need row-major rows */
 static int rows_fmt_ok(const qmat_t *w, const char *what) {
     if (w->fmt != FMT_TQ4 && w->fmt != FMT_TQ6) return 1;
     PyErr_Format(PyExc_ValueError, "%s: row-tiled (tq4, tq6) weights have no row-sparse kernels; use the row-major "
@@ -174,12 +174,12 @@ static PyObject *py_gemv_int8(PyObject *self, PyObject *const *a, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
-/* tile_q4(w, out): out the row tiles of the q4 or q6 weight w; the caller (kernels/cpu.py `tile`)
+/* tile_rows(w, out): out the row tiles of the q4 or q6 weight w; the caller (kernels/cpu.py `tile`)
  * sized out (quant.tiles_shape) */
-static PyObject *py_tile_q4(PyObject *self, PyObject *const *a, Py_ssize_t n) {
+static PyObject *py_tile_rows(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     qmat_t w;
     void *out;
-    if (!nargs_ok(n, 2, "tile_q4") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &out)) return NULL;
+    if (!nargs_ok(n, 2, "tile_rows") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &out)) return NULL;
     if (w.fmt != FMT_Q4 && w.fmt != FMT_Q6) return PyErr_Format(PyExc_ValueError, "tile takes q4 or q6 weights");
     if (w.rows == 0) Py_RETURN_NONE;
     if (!out) return PyErr_Format(PyExc_ValueError, "null data pointer");
@@ -723,7 +723,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
     {"gemv_int8", (PyCFunction)(void (*)(void))py_gemv_int8, METH_FASTCALL, "gemv_int8(w, x, y): tq4, one int8 term"},
-    {"tile_q4", (PyCFunction)(void (*)(void))py_tile_q4, METH_FASTCALL, "tile_q4(w, out): q4 / q6 -> row tiles"},
+    {"tile_rows", (PyCFunction)(void (*)(void))py_tile_rows, METH_FASTCALL, "tile_rows(w, out): q4 / q6 -> row tiles"},
     {"select_ids", (PyCFunction)(void (*)(void))py_select_ids, METH_FASTCALL, "ids at or above a threshold, or listed"},
     {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
     {"gemv_cols_list", (PyCFunction)(void (*)(void))py_gemv_cols_list, METH_FASTCALL, "column-grouped q4 product over listed inputs"},

@@ -83,6 +83,6 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
  * quantized in xq (XL_NATURAL; T real tokens, pairs in precise mode); tchunk tokens at a time */
 void si_tiles_dots(const qmat_t *w, const xq_t *xq, int64_t T, int64_t tchunk, float *y, int64_t ldy);
 /* row r of a FMT_TQ4 / FMT_TQ6 weight in float32 (cols values), the reference's values */
-void si_tq4_row(const qmat_t *w, int64_t r, float *o);
+void si_tile_row(const qmat_t *w, int64_t r, float *o);
 
 #endif

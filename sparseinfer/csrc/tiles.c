@@ -57,7 +57,7 @@ static int tq6_code(const uint8_t *bp, int i, int c) {
 
 static int64_t block_bytes(const qmat_t *w) { return w->fmt == FMT_TQ6 ? TQ6_BLOCK_BYTES : TQ4_BLOCK_BYTES; }
 
-void si_tq4_row(const qmat_t *w, int64_t r, float *o) {
+void si_tile_row(const qmat_t *w, int64_t r, float *o) {
     const int64_t t = r / TQ4_ROWS, bb = block_bytes(w);
     const int i = (int)(r % TQ4_ROWS);
     for (int64_t b = 0; b < w->nb; b++) {

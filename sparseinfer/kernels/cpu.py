@@ -669,7 +669,7 @@ def tile(w: QWeight) -> QWeight:
     out = empty_hugepages(tiles_shape(w.rows, w.cols, fmt))
     if _cpu is None or w.fmt not in ("q4", "q6"):
         return to_tiles(w, out)
-    _cpu.tile_q4(_desc(w), out.data_ptr())
+    _cpu.tile_rows(_desc(w), out.data_ptr())
     return QWeight(fmt, w.rows, w.cols, out)
 
 

@@ -88,8 +88,8 @@ def interleave_head(model: CausalLM) -> None:
 
 
 def tile_weights(model: CausalLM) -> int:
-    """Hold the q4 weights that are only ever read whole (attention's q/k/v and o, a dense MLP's
-    gate/up and down) as row tiles (tq4) where `cpu.tiles_pay` says so: the same bytes, read by
+    """Hold the q4 and q6 weights that are only ever read whole (attention's q/k/v and o, a dense
+    MLP's gate/up and down) as row tiles (tq4, tq6) where `cpu.tiles_pay` says so: the same bytes, read by
     kernels with less work per weight.  Fused groups (q/k/v, gate/up) become one tiled weight
     with the parts as views of it, when every part is a whole number of 16-row tiles.  Modules
     that read rows keep theirs: sparse FFNs, the embedding, and the output head (the head
@@ -112,7 +112,7 @@ def tile_weights(model: CausalLM) -> int:
         fused.weight, views, a = t, [], 0
         for lin in lins:
             b = a + lin.weight.rows // TILE_ROWS
-            lin.weight = QWeight("tq4", lin.weight.rows, lin.weight.cols, t.qs[a:b])
+            lin.weight = QWeight(t.fmt, lin.weight.rows, lin.weight.cols, t.qs[a:b])
             views.append(lin.weight)
             a = b
         mod._parts = tuple(views)

@@ -60,7 +60,7 @@ from ..kernels import reference as ref
 from ..kernels.decode_plan import FFNStep
 from ..kernels.reference import canonical_activation
 from ..models.layers import MLP, Linear, Module, RMSNorm, fuse_weights
-from ..quant import FLOAT_FORMATS, QWeight, from_float, row_major
+from ..quant import FLOAT_FORMATS, TILE_FORMATS, QWeight, from_float, row_major
 
 MODES = ("predict", "faithful", "threshold", "oracle")
 
@@ -146,7 +146,7 @@ class SparseFFN(Module):
         # pass (as `MLP` runs them); kept as they come when the permuted rows already are that
         self._gate_up: QWeight | None = None
         if self.gate is not None:
-            if not self.permuted and mlp._intact() and mlp._gate_up.weight.fmt != "tq4":
+            if not self.permuted and mlp._intact() and mlp._gate_up.weight.fmt not in TILE_FORMATS:
                 self._gate_up = mlp._gate_up.weight
             else:
                 got = fuse_weights(self.gate, self.up)
