@@ -40,6 +40,14 @@ Formats (a weight is a matrix of `rows` x `cols`, one output neuron per row; K =
   nibbles as tq4's, then two lines of high parts (line h, byte ``4 i + c``: the 2-bit high
   parts of inputs ``32 b + 16 h + c``, ``+ 4``, ``+ 8``, ``+ 12`` in bits 0-1, 2-3, 4-5, 6-7),
   then the 16 rows' f16 d of inputs 0..15 and of inputs 16..31.  7 bits per weight, as q6.
+- ``tq4k``: q4k's values (and bytes, rearranged) in tiles of 16 rows: ``qs`` uint8 ``(T, ns *
+  2304)``, ns = cols // 256 super-blocks.  Tile t, super-block s: its 8 sub-blocks' codes as
+  tq4's four lines each (256 bytes per sub-block j, inputs 256 s + 32 j ..), then the 16 rows'
+  6-bit scales as two planes: 64 bytes of low nibbles (byte ``16 p + i``: row i's sub-blocks
+  2p in the low nibble and 2p + 1 in the high one) and, after the mins' 64 (same order), 32
+  bytes of high parts (byte ``16 h + i``, bits ``2 k``: bits 4-5 of row i's sub-block 4h + k),
+  then the mins' 32; then the 16 rows' f16 d and their f16 dmin.  4.5 bits per weight, as
+  q4k; value = d * sc * q - dmin * mn.
 
 Kp is cols rounded up to a multiple of 32; padding values are zero (q = 0, d = m = 0), so
 products over the padding add nothing.  Every row's bytes (and its scales) are contiguous,
@@ -56,7 +64,7 @@ import torch
 BLOCK = 32
 FLOAT_FORMATS = ("f32", "f16", "bf16")
 QUANT_FORMATS = ("q8", "q4", "q6", "q4k")
-TILE_FORMATS = ("tq4", "tq6")  # CPU-only layouts of q4's / q6's values, made from them (`to_tiles`)
+TILE_FORMATS = ("tq4", "tq6", "tq4k")  # CPU-only layouts of q4's / q6's / q4k's values, made from them (`to_tiles`)
 Q4K_BLOCK, Q4K_BYTES = 256, 144  # values and bytes of one q4k super-block
 FORMATS = FLOAT_FORMATS + QUANT_FORMATS
 _TORCH_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -96,14 +104,14 @@ class QWeight:
 
     def select_rows(self, idx: torch.Tensor) -> "QWeight":
         """A new QWeight holding rows `idx` in that order (used to reorder neurons by hotness);
-        row-major (tq4 gives q4, tq6 q6)."""
+        row-major (tq4 gives q4, tq6 q6, tq4k q4k)."""
         if self.fmt in TILE_FORMATS:
             return from_tiles(self).select_rows(idx)
         pick = lambda t: None if t is None else t.index_select(0, idx).contiguous()  # noqa: E731
         return QWeight(self.fmt, int(idx.numel()), self.cols, pick(self.qs), pick(self.d), pick(self.m))
 
     def to(self, device) -> "QWeight":
-        """On `device`; tq4 / tq6 (CPU kernels' layouts) move as q4 / q6."""
+        """On `device`; tq4 / tq6 / tq4k (CPU kernels' layouts) move as q4 / q6 / q4k."""
         if self.fmt in TILE_FORMATS and torch.device(device).type != "cpu":
             return from_tiles(self).to(device)
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -178,30 +186,48 @@ def _q4k_from_float(w: torch.Tensor) -> QWeight:
     mn = torch.round(mn_f * inv(dmin.float())[..., None]).clamp(0, 63)
     step = d.float()[..., None] * sc
     q = torch.round((x + (dmin.float()[..., None] * mn)[..., None]) * inv(step)[..., None]).clamp(0, 15).to(torch.uint8)
+    return _q4k_pack(q.view(rows, cols), d, dmin, sc.to(torch.uint8), mn.to(torch.uint8))
+
+
+def _q4k_pack(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> QWeight:
+    """A q4k weight from its fields: codes (rows, cols) 0..15, f16 d and dmin (rows, ns), 6-bit
+    sub-block scales and mins (rows, ns, 8); GGUF's byte layout (module doc)."""
+    rows, cols = q.shape
+    ns = cols // Q4K_BLOCK
     sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
     s12 = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
                      (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], dim=-1)
-    qc = q.view(rows, ns, 4, 2, BLOCK)
+    qc = q.to(torch.uint8).view(rows, ns, 4, 2, BLOCK)
     nib = qc[:, :, :, 0] | (qc[:, :, :, 1] << 4)  # chunk c: values 64c+l and 64c+32+l
-    head = torch.stack([d, dmin], -1).view(torch.uint8).view(rows, ns, 4)
+    head = torch.stack([d.to(torch.float16), dmin.to(torch.float16)], -1).view(torch.uint8).view(rows, ns, 4)
     qs = torch.cat([head, s12, nib.reshape(rows, ns, 128)], dim=-1).reshape(rows, ns * Q4K_BYTES)
     return QWeight("q4k", rows, cols, qs.contiguous())
+
+
+def q4k_fields(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A q4k weight's fields: (codes uint8 (rows, cols), d f16 (rows, ns), dmin f16 (rows, ns),
+    sc (rows, ns, 8), mn (rows, ns, 8) as int64 0..63); ns = cols // 256."""
+    ns = w.cols // Q4K_BLOCK
+    b = w.qs.reshape(w.rows, ns, Q4K_BYTES)
+    hd = b[..., :4].contiguous().view(torch.float16)  # (rows, ns, 2): d, dmin
+    s = b[..., 4:16].long()
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    nib = b[..., 16:].reshape(w.rows, ns, 4, 1, BLOCK)
+    q = torch.cat([nib & 15, nib >> 4], dim=3).reshape(w.rows, w.cols)
+    return q, hd[..., 0], hd[..., 1], sc, mn
 
 
 def q4k_affine(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A q4k weight as (codes uint8 (rows, cols), step f32 (rows, cols // 32), offset f32
     (rows, cols // 32)): value = step * code + offset per block of 32, step = d * sc and
     offset = -dmin * mn, each product rounded once to f32 (as the kernels form them)."""
+    if w.fmt == "tq4k":
+        w = from_tiles(w)
+    q, d, dmin, sc, mn = q4k_fields(w)
     ns = w.cols // Q4K_BLOCK
-    b = w.qs.reshape(w.rows, ns, Q4K_BYTES)
-    hd = b[..., :4].contiguous().view(torch.float16).float()  # (rows, ns, 2): d, dmin
-    s = b[..., 4:16].long()
-    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    nib = b[..., 16:].reshape(w.rows, ns, 4, 1, BLOCK)
-    q = torch.cat([nib & 15, nib >> 4], dim=3).reshape(w.rows, w.cols)
-    step = (hd[..., 0:1] * sc.float()).reshape(w.rows, ns * 8)
-    off = -(hd[..., 1:2] * mn.float()).reshape(w.rows, ns * 8)
+    step = (d.float()[..., None] * sc.float()).reshape(w.rows, ns * 8)
+    off = -(dmin.float()[..., None] * mn.float()).reshape(w.rows, ns * 8)
     return q, step, off
 
 
@@ -396,23 +422,49 @@ def to_cols(w: QWeight) -> ColWeight:
 TILE_ROWS = 16          # rows interleaved in one tq4 tile
 TILE_BLOCK_BYTES = 320  # one tq4 tile's block of 32 inputs: 256 bytes of codes, then d and m (f16)
 TILE6_BLOCK_BYTES = 448  # one tq6 tile's block: 256 bytes of low nibbles, 128 of high parts, 2 d (f16)
+TILE4K_BLOCK_BYTES = 2304  # one tq4k tile's super-block of 256 inputs: 8 x 256 bytes of codes, 192 of scales, d, dmin
+_TILE_BLOCK = {"tq4": (BLOCK, TILE_BLOCK_BYTES), "tq6": (BLOCK, TILE6_BLOCK_BYTES), "tq4k": (Q4K_BLOCK, TILE4K_BLOCK_BYTES)}
 
 
-def _tile_codes(qs: torch.Tensor, t: int, g: int, bb: int) -> torch.Tensor:
-    """The low nibbles of tiles (t, g blocks of bb bytes) as (t * 16, g * 32) codes, row order."""
-    codes = qs.reshape(t, g, bb)[:, :, :256].reshape(t, g, 4, TILE_ROWS, 4)   # [t, b, l, i, c]
+def _tile_codes(lines: torch.Tensor) -> torch.Tensor:
+    """Tiles' code lines (t, g, 256 bytes: 4 lines of 64 per block of 32 inputs) as (t * 16,
+    g * 32) 4-bit codes in row order."""
+    t, g = lines.shape[:2]
+    codes = lines.reshape(t, g, 4, TILE_ROWS, 4)                              # [t, b, l, i, c]
     q = torch.stack([codes & 15, codes >> 4], dim=-2)                         # [t, b, l, i, half, c]
     return q.permute(0, 3, 1, 2, 4, 5).reshape(t * TILE_ROWS, g * BLOCK)
 
 
-def _tile_parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _code_lines(q: torch.Tensor) -> torch.Tensor:
+    """(t * 16, g * 32) codes (their low nibbles) -> (t, g, 256) tile lines (inverse of `_tile_codes`)."""
+    t, g = q.shape[0] // TILE_ROWS, q.shape[1] // BLOCK
+    nib = (q & 15).view(t, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, l, i, c, half]
+    return (nib[..., 0] | (nib[..., 1] << 4)).reshape(t, g, 256)
+
+
+def _tile_parts(w: QWeight):
     """A tiled weight's row-major parts: tq4 (codes (rows, Kp), d, m (rows, nb) f16); tq6
-    (codes 0..63 (rows, Kp), d (rows, Kp // 16) f16, None)."""
-    g = padded(w.cols) // BLOCK
+    (codes 0..63 (rows, Kp), d (rows, Kp // 16) f16, None); tq4k (codes (rows, cols), d, dmin
+    (rows, ns) f16, sc, mn (rows, ns, 8) int64), ns = cols // 256."""
     t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
-    bb = TILE6_BLOCK_BYTES if w.fmt == "tq6" else TILE_BLOCK_BYTES
+    if w.fmt == "tq4k":
+        ns = w.cols // Q4K_BLOCK
+        qs = w.qs.reshape(t, ns, TILE4K_BLOCK_BYTES)
+        q = _tile_codes(qs[:, :, :2048].reshape(t, ns * 8, 256))[: w.rows]
+        row = lambda v: v.permute(0, 2, 1, *range(3, v.dim())).reshape(t * TILE_ROWS, ns, *v.shape[3:])[: w.rows]  # noqa: E731
+        fields = []
+        for lo, hi in ((2048, 2176), (2112, 2208)):  # sc, then mn: low nibble plane, high 2-bit plane
+            lo4 = qs[:, :, lo: lo + 64].reshape(t, ns, 4, TILE_ROWS).long()     # [t, s, p, i]: sub-blocks 2p, 2p + 1
+            hi2 = qs[:, :, hi: hi + 32].reshape(t, ns, 2, TILE_ROWS).long()     # [t, s, h, i]: bits 2k: sub-block 4h + k
+            low = torch.stack([lo4 & 15, lo4 >> 4], dim=3).reshape(t, ns, 8, TILE_ROWS)
+            high = torch.stack([(hi2 >> (2 * k)) & 3 for k in range(4)], dim=3).reshape(t, ns, 8, TILE_ROWS)
+            fields.append(row((low | (high << 4)).permute(0, 1, 3, 2)))  # -> [t, s, i, j] -> (rows, ns, 8)
+        dd = qs[:, :, 2240:].contiguous().view(torch.float16).view(t, ns, 2, TILE_ROWS)
+        return q.contiguous(), row(dd[:, :, 0]).contiguous(), row(dd[:, :, 1]).contiguous(), *fields
+    g = padded(w.cols) // BLOCK
+    bb = _TILE_BLOCK[w.fmt][1]
     qs = w.qs.reshape(t, g, bb)
-    q = _tile_codes(qs, t, g, bb)[: w.rows]
+    q = _tile_codes(qs[:, :, :256])[: w.rows]
     if w.fmt == "tq6":
         hb = qs[:, :, 256:384].reshape(t, g, 2, TILE_ROWS, 4)                 # [t, b, h, i, c]
         hp = torch.stack([(hb >> (2 * k)) & 3 for k in range(4)], dim=-2)    # [t, b, h, i, k, c]: input 16h + 4k + c
@@ -426,16 +478,35 @@ def _tile_parts(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
     return q.contiguous(), d.contiguous(), m.contiguous()
 
 
+def _tile_q4k(w: QWeight, r0: int, r1: int, nt: int) -> torch.Tensor:
+    """Rows [r0, r1) of a q4k weight as `nt` tq4k tiles (nt, ns, TILE4K_BLOCK_BYTES)."""
+    ns = w.cols // Q4K_BLOCK
+    q, d, dmin, sc, mn = q4k_fields(QWeight("q4k", r1 - r0, w.cols, w.qs[r0:r1]))
+    pad = lambda v: torch.cat([v, v.new_zeros(nt * TILE_ROWS - (r1 - r0), *v.shape[1:])])  # noqa: E731
+    q, d, dmin, sc, mn = (pad(v) for v in (q, d, dmin, sc, mn))
+    o = torch.empty(nt, ns, TILE4K_BLOCK_BYTES, dtype=torch.uint8)
+    o[:, :, :2048] = _code_lines(q).view(nt, ns, 2048)
+    for lo, hi, v in ((2048, 2176, sc), (2112, 2208, mn)):
+        v = v.view(nt, TILE_ROWS, ns, 8).permute(0, 2, 3, 1)                  # [t, s, j, i]
+        o[:, :, lo: lo + 64] = ((v[:, :, 0::2] & 15) | ((v[:, :, 1::2] & 15) << 4)).to(torch.uint8).reshape(nt, ns, 64)
+        h = (v >> 4).reshape(nt, ns, 2, 4, TILE_ROWS)                           # [t, s, h, k, i]
+        o[:, :, hi: hi + 32] = (h[:, :, :, 0] | (h[:, :, :, 1] << 2) | (h[:, :, :, 2] << 4)
+                                | (h[:, :, :, 3] << 6)).to(torch.uint8).reshape(nt, ns, 32)
+    for k, v in enumerate((d, dmin)):
+        o[:, :, 2240 + 32 * k: 2272 + 32 * k] = v.view(nt, TILE_ROWS, ns).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return o
+
+
 def to_tiles(w: QWeight, out: torch.Tensor | None = None) -> QWeight:
-    """The row tiles of a row-major q4 (tq4) or q6 (tq6) weight: the same values, 16 rows
-    interleaved (written into `out`, uint8 of `tiles_shape`, when given: e.g. a buffer on huge
-    pages).  The reference of the compiled conversion (`kernels.cpu.tile`)."""
-    if w.fmt not in ("q4", "q6") or (w.fmt == "q4" and w.m is None):
-        raise ValueError(f"row-tiled weights are made from q4 or q6 weights, not {w.fmt}")
+    """The row tiles of a row-major q4 (tq4), q6 (tq6) or q4k (tq4k) weight: the same values,
+    16 rows interleaved (written into `out`, uint8 of `tiles_shape`, when given: e.g. a buffer
+    on huge pages).  The reference of the compiled conversion (`kernels.cpu.tile`)."""
+    if w.fmt not in ("q4", "q6", "q4k") or (w.fmt == "q4" and w.m is None):
+        raise ValueError(f"row-tiled weights are made from q4, q6 or q4k weights, not {w.fmt}")
     fmt = "t" + w.fmt
-    g = padded(w.cols) // BLOCK
+    group, bb = _TILE_BLOCK[fmt]
+    g = (w.cols + group - 1) // group
     t = (w.rows + TILE_ROWS - 1) // TILE_ROWS
-    bb = TILE6_BLOCK_BYTES if fmt == "tq6" else TILE_BLOCK_BYTES
     shape = tiles_shape(w.rows, w.cols, fmt)
     if out is None:
         out = torch.empty(shape, dtype=torch.uint8)
@@ -446,10 +517,12 @@ def to_tiles(w: QWeight, out: torch.Tensor | None = None) -> QWeight:
     for a in range(0, t, step):
         b = min(t, a + step)
         r0, r1 = a * TILE_ROWS, min(w.rows, b * TILE_ROWS)
+        if fmt == "tq4k":
+            o[a:b] = _tile_q4k(w, r0, r1, b - a)
+            continue
         q = torch.zeros((b - a) * TILE_ROWS, g * BLOCK, dtype=torch.uint8)
         q[: r1 - r0] = unpack_q6(w.qs[r0:r1]) if fmt == "tq6" else unpack_nibbles(w.qs[r0:r1, : g * BLOCK // 2])
-        nib = (q & 15).view(b - a, TILE_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, l, i, c, half]
-        o[a:b, :, :256] = (nib[..., 0] | (nib[..., 1] << 4)).reshape(b - a, g, 256)
+        o[a:b, :, :256] = _code_lines(q)
         if fmt == "tq6":
             hp = (q >> 4).view(b - a, TILE_ROWS, g, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)  # [t, b, h, i, c, k]
             hb = hp[..., 0] | (hp[..., 1] << 2) | (hp[..., 2] << 4) | (hp[..., 3] << 6)
@@ -466,21 +539,25 @@ def to_tiles(w: QWeight, out: torch.Tensor | None = None) -> QWeight:
 
 
 def tiles_shape(rows: int, cols: int, fmt: str = "tq4") -> tuple[int, int]:
-    """The shape of a tq4 or tq6 weight's qs: (tiles, blocks * block bytes)."""
-    bb = TILE6_BLOCK_BYTES if fmt == "tq6" else TILE_BLOCK_BYTES
-    return ((rows + TILE_ROWS - 1) // TILE_ROWS, padded(cols) // BLOCK * bb)
+    """The shape of a tq4, tq6 or tq4k weight's qs: (tiles, blocks * block bytes)."""
+    group, bb = _TILE_BLOCK[fmt]
+    return ((rows + TILE_ROWS - 1) // TILE_ROWS, (cols + group - 1) // group * bb)
 
 
 def from_tiles(w: QWeight) -> QWeight:
-    """The row-major q4 / q6 weight of a tq4 / tq6 weight (exactly the same values)."""
-    q, d, m = _tile_parts(w)
+    """The row-major q4 / q6 / q4k weight of a tq4 / tq6 / tq4k weight (exactly the same
+    values; for tq4k also the same bytes as the q4k it was made from)."""
+    parts = _tile_parts(w)
+    if w.fmt == "tq4k":
+        return _q4k_pack(*parts)
+    q, d, m = parts
     if w.fmt == "tq6":
         return QWeight("q6", w.rows, w.cols, pack_q6(q), d, None)
     return QWeight("q4", w.rows, w.cols, pack_nibbles(q), d, m)
 
 
 def row_major(w: QWeight) -> QWeight:
-    """`w` with addressable rows: tq4 / tq6 as q4 / q6, every other format as it is."""
+    """`w` with addressable rows: tq4 / tq6 / tq4k as q4 / q6 / q4k, every other format as it is."""
     return from_tiles(w) if w.fmt in TILE_FORMATS else w
 
 

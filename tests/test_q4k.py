@@ -136,6 +136,20 @@ def test_loader_keeps_the_file_bytes_when_asked(keep, monkeypatch):
         torch.testing.assert_close(got.dequantize(), w.dequantize(), rtol=2e-3, atol=2e-3)
 
 
+def test_loader_default_follows_the_tiles(monkeypatch):
+    """Unset, Q4_K stays q4k on the levels that tile it (`Q4K_LEVELS`) unless row tiles are
+    turned off; other levels repack to q4."""
+    from sparseinfer.kernels import cpu
+
+    monkeypatch.delenv("SPARSEINFER_Q4K", raising=False)
+    monkeypatch.delenv("SPARSEINFER_TILES", raising=False)
+    level = cpu.simd_level()
+    assert gio.keep_q4k() == (level in gio.Q4K_LEVELS)
+    assert set(gio.Q4K_LEVELS) <= {lv for lv, fmts in cpu.ROW_TILE_LEVELS.items() if "q4k" in fmts}
+    monkeypatch.setenv("SPARSEINFER_TILES", "0")
+    assert not gio.keep_q4k()
+
+
 def test_decode_steps_on_q4k_projections(tmp_path, monkeypatch):
     """A model whose projections are q4k: the C decode steps give the Python layers' logits."""
     import transformers as tf
@@ -161,3 +175,20 @@ def test_decode_steps_on_q4k_projections(tmp_path, monkeypatch):
     assert count.n["attn"] == count.n["mlp"] == 2 * 8
     slow, _ = python_path(model, tokens, monkeypatch)
     torch.testing.assert_close(fast, slow, atol=1e-3, rtol=1e-3)
+
+
+def test_a_q4k_head_is_read_as_q4(tmp_path):
+    """A Q4_K output head kept as stored becomes the loader's q4 repack of the same bytes (the
+    row-major q4k kernels are slower; its rows stay addressable for the head preview), tied
+    embedding included."""
+    from sparseinfer.models.registry import interleave_head
+    from test_tiles import _tiny_q4_model
+
+    model = _tiny_q4_model(tmp_path)
+    w = from_float(model.head.weight.dequantize(), "q4k")
+    model.head.weight = model.embed.weight = w
+    interleave_head(model)
+    assert model.head.weight.fmt == "q4" and model.embed.weight is model.head.weight
+    want = gio.q4k_to_q4(w)
+    torch.testing.assert_close(model.head.weight.dequantize(), want.dequantize(), rtol=0, atol=0)
+    torch.testing.assert_close(want.dequantize(), w.dequantize(), rtol=2e-3, atol=2e-3)

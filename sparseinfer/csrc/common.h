@@ -20,6 +20,9 @@
  *       products, si_gemv / si_matmul, take it); d, m are NULL.  Uses XL_NATURAL activations.
  *   tq6: q6's values in row tiles of 16 rows, TQ6_BLOCK_BYTES per tile and block (tiles.c),
  *       row_bytes = 28*nb; otherwise as tq4.
+ *   tq4k: q4k's values in row tiles of 16 rows, TQ4K_BLOCK_BYTES per tile and super-block of
+ *       256 inputs (tiles.c), row_bytes = 144 * cols/256; cols a multiple of 256; otherwise
+ *       as tq4 (XL_NATURAL activations, per 32).
  *   kp = cols rounded up to 32, nb = kp / 32; padding values are zero.
  *   Rows may be strided (`row_bytes`, `ds` above the natural widths): the neuron records of
  *   a SparseFFN keep one neuron's gate, up and down_t rows and scales in one contiguous block,
@@ -64,7 +67,7 @@
 #endif
 
 enum { FMT_F32 = 0, FMT_F16 = 1, FMT_BF16 = 2, FMT_Q8 = 3, FMT_Q4 = 4, FMT_Q6 = 5, FMT_Q4K = 6, FMT_TQ4 = 7,
-       FMT_TQ6 = 8, FMT_COUNT = 9 };
+       FMT_TQ6 = 8, FMT_TQ4K = 9, FMT_COUNT = 10 };
 enum { XL_NATURAL = 0, XL_Q4 = 1, XL_Q8K = 2 };
 #define SI_Q4K_BYTES 144 /* one q4k super-block */
 /* KV cache element types (si_attn_plan_t.kv_type; sparseinfer/kv_cache.py is the authority).
@@ -108,6 +111,12 @@ typedef struct {
 #define TQ4_ROWS 16
 #define TQ4_BLOCK_BYTES 320
 #define TQ6_BLOCK_BYTES 448 /* tq6: 256 bytes of low nibbles as tq4's, 128 of high bits, d of inputs 0-15, 16-31 */
+/* tq4k: per tile and super-block of 256 inputs, 8 x 256 bytes of codes as tq4's, 192 of 6-bit
+ * scales and mins, the 16 rows' f16 d and dmin */
+#define TQ4K_BLOCK_BYTES 2304
+
+/* the row-tiled formats (tiles.c): whole-matrix products only */
+static inline int si_fmt_tiled(int fmt) { return fmt == FMT_TQ4 || fmt == FMT_TQ6 || fmt == FMT_TQ4K; }
 
 /* T quantized activation vectors, token t at q + t*q_stride etc. */
 typedef struct {
@@ -184,6 +193,10 @@ typedef struct {
      * v's int8 codes over inputs 16j..16j+15 (for the codes' offset of 32) */
     void (*tiles_q6)(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, const int32_t *s16, int64_t T, float *y,
                      int64_t yst);
+    /* row-tiled q4k (tiles.c): as tiles_q4 (FMT_TQ4K, XL_Q8K activations); NULL: the portable version */
+    void (*tiles_q4k)(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst);
+    /* the XL_Q8K quantizer (as `quantize`), equal to si_quantize_q8k's values; NULL: that one */
+    void (*quantize_q8k)(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq);
 } kernels_t;
 
 /* Products of up to this many tokens (batched decode: one token of each of a few sequences)

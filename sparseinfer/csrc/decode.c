@@ -385,8 +385,8 @@ const char *si_check_ffn_plan(si_ffn_plan_t *p) {
     if (!shape(&p->down_t, F, n)) return "down_t must be (neurons, width)";
     const qmat_t *rowed[5] = {&p->first, &p->second, &p->down_t, &p->w1, &p->w2t};
     for (int i = 0; i < 5; i++)
-        if (rowed[i]->fmt == FMT_TQ4 || rowed[i]->fmt == FMT_TQ6)
-            return "row-tiled (tq4, tq6) weights have no row-sparse kernels: give the sparse FFN row-major weights";
+        if (si_fmt_tiled(rowed[i]->fmt))
+            return "row-tiled (tq4, tq6, tq4k) weights have no row-sparse kernels: give the sparse FFN row-major weights";
     if (p->down_t.fmt == FMT_Q6 || p->down_t.fmt == FMT_Q4K ||
         (has(&p->w2t) && (p->w2t.fmt == FMT_Q6 || p->w2t.fmt == FMT_Q4K)))
         return "q6 and q4k weights have no column-sparse (axpy) kernel";

@@ -86,7 +86,7 @@ void si_dots(const qmat_t *w, const int32_t *rows, int64_t n, const float *x, in
          * quarter of L2, the rest of it for the rows they pass over (counting the codes alone
          * overfilled a 512 KB L2) */
         a.tchunk = up(si_l2_bytes() / 4 / (xq.q_stride + 4 * (xq.de_stride + 2 * xq.d_stride)), 4);
-        if (w->fmt == FMT_TQ4 || w->fmt == FMT_TQ6) { /* whole-matrix products only (callers check: no rows) */
+        if (si_fmt_tiled(w->fmt)) { /* whole-matrix products only (callers check: no rows) */
             if (rows || out.ysr != 1) abort();
             si_tiles_dots(w, &xq, T, a.tchunk >> xq.pair, out.y, out.yst);
             return;
@@ -158,7 +158,7 @@ static void deq_row(const qmat_t *w, int64_t r, float *o) {
             for (int64_t j = 0; j < cols; j++) o[j] = si_bf2f(h[j]);
         return;
     }
-    if (w->fmt == FMT_TQ4 || w->fmt == FMT_TQ6) {
+    if (si_fmt_tiled(w->fmt)) {
         si_tile_row(w, r, o);
         return;
     }

@@ -30,7 +30,7 @@
 #include "kern_avx512_impl.h"
 int si_amx_supported(void) { return 0; }
 const kernels_t si_kernels_avx512amx = {"avx512amx", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 0,
-                                        &si_attend_avx512, 16, si_kv_store_avx2, 0, NULL, NULL, cols_group, tiles_q4, tiles_q6};
+                                        &si_attend_avx512, 16, si_kv_store_avx2, 0, NULL, NULL, cols_group, tiles_q4, tiles_q6, tiles_q4k, quantize_q8k};
 #elif SI_X86
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 #define SI_VNNI 1
@@ -335,7 +335,7 @@ static void amx_dot_q(const qmat_t *w, const int32_t *rows, int64_t i0, int64_t 
 }
 
 const kernels_t si_kernels_avx512amx = {"avx512amx", quantize, amx_dot_q, dot_f, axpy, read_sum, si_act_avx2, 0,
-                                        &si_attend_avx512, 16, si_kv_store_avx2, 16, pack_tokens, tiles_bytes, cols_group, tiles_q4, tiles_q6};
+                                        &si_attend_avx512, 16, si_kv_store_avx2, 16, pack_tokens, tiles_bytes, cols_group, tiles_q4, tiles_q6, tiles_q4k, quantize_q8k};
 #else
 typedef int si_empty_translation_unit;
 #endif

@@ -59,6 +59,40 @@ static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
     }
 }
 
+/* XL_Q8K (common.h): one scale per super-block of 256 values, block sums per 32; the same
+ * values as si_quantize_q8k (kern_scalar.c), the reference: one product and one rounding to
+ * nearest even per value; masked loads past K read zeros. */
+static void quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+    const int64_t nb = kp / 32;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * K;
+        int8_t *q = xq->q + t * xq->q_stride;
+        float *d = xq->d + t * xq->d_stride, *s = xq->s + t * xq->d_stride;
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+            const int64_t k0 = 32 * b0, nbl = nb - b0 < 8 ? nb - b0 : 8;
+            __m512 v[16], mx = _mm512_setzero_ps();
+            for (int i = 0; i < 2 * nbl; i++) {
+                const int64_t n = K - k0 - 16 * i;
+                const __mmask16 m = n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+                v[i] = _mm512_maskz_loadu_ps(m, xt + k0 + 16 * i);
+                mx = _mm512_max_ps(_mm512_and_ps(v[i], absmask), mx); /* a NaN value is passed over, as the reference does */
+            }
+            const float amax = _mm512_reduce_max_ps(mx);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, db = amax / 127.0f;
+            const __m512 vid = _mm512_set1_ps(id);
+            for (int b = 0; b < nbl; b++) {
+                const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * b], vid));
+                const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * b + 1], vid));
+                _mm_storeu_si128((__m128i *)(q + k0 + 32 * b), _mm512_cvtsepi32_epi8(i0));
+                _mm_storeu_si128((__m128i *)(q + k0 + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+                d[b0 + b] = db;
+                s[b0 + b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ integer dot tiles */
 
 AI __m512 expand4(__m128 v) {
@@ -1128,6 +1162,105 @@ static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, in
     }
 }
 
+/* tq4k (tiles.c) against XL_Q8K activations (one int8 scale per 256 inputs, llama.cpp's Q8_K):
+ * each sub-block j of 32 inputs gives its 16 rows' integer sums as tiles_q4_tok's block does,
+ * and a super-block's 8 sums take their 6-bit scales in integers (isum = sum_j sc_j dot_j;
+ * |isum| < 8 * 63 * 32 * 15 * 127 < 2^31), then y += d_x d isum - dmin sum_j mn_j s_j, the
+ * mins in float against the token's block sums.  The 16 rows' scales (mins) of the 8
+ * sub-blocks are assembled as bytes, 64 at a time (ev: sub-blocks 2p at bytes 16p + i, od:
+ * 2p + 1): the nibble plane's halves, each OR'd with its 2 high bits rotated to bits 4-5 out
+ * of the high plane (lanes p = 0..3 of it repeat its 16-byte rows h = p / 2). */
+AI void q4k_scale_bytes(const uint8_t *sp, const int k, __m512i *ev, __m512i *od) {
+    const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i L = _mm512_loadu_si512(sp + 2048 + 64 * k);
+    const __m512i hb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(sp + 2176 + 32 * k)));
+    const __m512i H = _mm512_shuffle_i64x2(hb, hb, _MM_SHUFFLE(1, 1, 0, 0));
+    /* sub-block 2p: bits 4 (p % 2) of H; 2p + 1: bits 4 (p % 2) + 2 */
+    const __m512i ra = _mm512_rolv_epi32(H, _mm512_set_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4));
+    const __m512i rb = _mm512_rolv_epi32(H, _mm512_set_epi32(30, 30, 30, 30, 2, 2, 2, 2, 30, 30, 30, 30, 2, 2, 2, 2));
+    *ev = _mm512_ternarylogic_epi32(_mm512_and_si512(L, m0f), ra, m30, 0xF8); /* A | (B & C) */
+    *od = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(L, 4), m0f), rb, m30, 0xF8);
+}
+
+/* the 16 rows' bytes of sub-block j (< 8) out of q4k_scale_bytes' pair, as int32 lanes */
+#define Q4K_LANES(ev, od, j) _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32((j) & 1 ? (od) : (ev), (j) / 2))
+
+AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0, const int KN, const int P, float *y,
+                      int64_t yst) {
+    const __m512i m15 = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
+    __m512 acc[4][2];
+    for (int k = 0; k < KN; k++) acc[k][0] = acc[k][1] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        const uint8_t *sp = tp + s * TQ4K_BLOCK_BYTES;
+        __m512i sce, sco, mne, mno;
+        q4k_scale_bytes(sp, 0, &sce, &sco);
+        __m512i isum[4][2];
+        for (int k = 0; k < KN; k++) isum[k][0] = isum[k][1] = z;
+#define SUBBLOCK(j)                                                                                                  \
+        {                                                                                                            \
+            const uint8_t *bp = sp + 256 * (j);                                                                      \
+            /* the next super-block, an eighth of it per sub-block */                                                \
+            for (int o = 0; o < TQ4K_BLOCK_BYTES / 8; o += 64)                                                       \
+                _mm_prefetch((const char *)(sp + TQ4K_BLOCK_BYTES + (TQ4K_BLOCK_BYTES / 8) * (j) + o), _MM_HINT_T0); \
+            __m512i lo[4], hi[4];                                                                                    \
+            for (int l = 0; l < 4; l++) {                                                                            \
+                const __m512i v = _mm512_loadu_si512(bp + 64 * l);                                                   \
+                lo[l] = _mm512_and_si512(v, m15);                                                                    \
+                hi[l] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);                                              \
+            }                                                                                                        \
+            const __m512i sc = Q4K_LANES(sce, sco, j);                                                               \
+            for (int k = 0; k < KN; k++)                                                                             \
+                for (int h = 0; h <= P; h++) {                                                                       \
+                    const int64_t v = ((k0 + k) << P) + h;                                                           \
+                    const int32_t *xw = (const int32_t *)(xq->q + v * xq->q_stride + 256 * s + 32 * (j));            \
+                    __m512i slo = z, shi = z;                                                                        \
+                    for (int l = 0; l < 4; l++) {                                                                    \
+                        slo = DP512(slo, lo[l], _mm512_set1_epi32(xw[2 * l]));                                       \
+                        shi = DP512(shi, hi[l], _mm512_set1_epi32(xw[2 * l + 1]));                                   \
+                    }                                                                                                \
+                    isum[k][h] = _mm512_add_epi32(isum[k][h], _mm512_mullo_epi32(_mm512_add_epi32(slo, shi), sc));   \
+                }                                                                                                    \
+        }
+        SUBBLOCK(0) SUBBLOCK(1) SUBBLOCK(2) SUBBLOCK(3) SUBBLOCK(4) SUBBLOCK(5) SUBBLOCK(6) SUBBLOCK(7)
+#undef SUBBLOCK
+        /* the mins' term after the codes' (the lines' registers free again) */
+        q4k_scale_bytes(sp, 1, &mne, &mno);
+        __m512 mt[4][2];
+#define MINS(j)                                                                                                      \
+        {                                                                                                            \
+            const __m512 mnf = _mm512_cvtepi32_ps(Q4K_LANES(mne, mno, j));                                           \
+            for (int k = 0; k < KN; k++)                                                                             \
+                for (int h = 0; h <= P; h++) {                                                                       \
+                    const __m512 sx = _mm512_set1_ps(xq->s[(((k0 + k) << P) + h) * xq->d_stride + 8 * s + (j)]);    \
+                    mt[k][h] = (j) ? _mm512_fmadd_ps(mnf, sx, mt[k][h]) : _mm512_mul_ps(mnf, sx);                    \
+                }                                                                                                    \
+        }
+        MINS(0) MINS(1) MINS(2) MINS(3) MINS(4) MINS(5) MINS(6) MINS(7)
+#undef MINS
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 2240)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 2272)));
+        for (int k = 0; k < KN; k++)
+            for (int h = 0; h <= P; h++) {
+                const int64_t v = ((k0 + k) << P) + h;
+                const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[k][h]),
+                                                 _mm512_mul_ps(dv, _mm512_set1_ps(xq->d[v * xq->d_stride + 8 * s])), acc[k][s & 1]);
+                acc[k][s & 1] = _mm512_fnmadd_ps(mv, mt[k][h], a);
+            }
+    }
+    for (int k = 0; k < KN; k++) _mm512_storeu_ps(y + (k0 + k) * yst, _mm512_add_ps(acc[k][0], acc[k][1]));
+}
+#undef Q4K_LANES
+
+static void tiles_q4k(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
+    const int64_t ns = w->cols / 256;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tp = w->qs + t * ns * TQ4K_BLOCK_BYTES;
+        float *yt = y + TQ4_ROWS * (t - t0);
+#define TOK(KN, P) tiles_q4k_tok(tp, ns, xq, k0, KN, P, yt, yst)
+        FOR_TOKEN_GROUPS(T, xq->pair, TOK)
+#undef TOK
+    }
+}
 
 /* tq6 (tiles.c): as tiles_q4_tok, each line's nibbles completed to 6-bit codes with their two
  * high bits (one ternary-logic operation per 64 codes: nibble | (high bits moved to 4-5)), the

@@ -66,10 +66,10 @@ static int get_qmat(PyObject *o, qmat_t *w, int allow_none, int *is_none) {
     return 0;
 }
 
-/* row-tiled (tq4, tq6) weights are read only whole (gemv, matmul): row lists need row-major rows */
+/* row-tiled (tq4, tq6, tq4k) weights are read only whole (gemv, matmul): row lists need row-major rows */
 static int rows_fmt_ok(const qmat_t *w, const char *what) {
-    if (w->fmt != FMT_TQ4 && w->fmt != FMT_TQ6) return 1;
-    PyErr_Format(PyExc_ValueError, "%s: row-tiled (tq4, tq6) weights have no row-sparse kernels; use the row-major "
+    if (!si_fmt_tiled(w->fmt)) return 1;
+    PyErr_Format(PyExc_ValueError, "%s: row-tiled (tq4, tq6, tq4k) weights have no row-sparse kernels; use the row-major "
                  "weight (quant.from_tiles(w))", what);
     return 0;
 }
@@ -180,7 +180,8 @@ static PyObject *py_tile_rows(PyObject *self, PyObject *const *a, Py_ssize_t n) 
     qmat_t w;
     void *out;
     if (!nargs_ok(n, 2, "tile_rows") || get_qmat(a[0], &w, 0, NULL) || get_ptr(a[1], &out)) return NULL;
-    if (w.fmt != FMT_Q4 && w.fmt != FMT_Q6) return PyErr_Format(PyExc_ValueError, "tile takes q4 or q6 weights");
+    if (w.fmt != FMT_Q4 && w.fmt != FMT_Q6 && w.fmt != FMT_Q4K)
+        return PyErr_Format(PyExc_ValueError, "tile takes q4, q6 or q4k weights");
     if (w.rows == 0) Py_RETURN_NONE;
     if (!out) return PyErr_Format(PyExc_ValueError, "null data pointer");
     Py_BEGIN_ALLOW_THREADS
@@ -299,7 +300,7 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *a, Py_ssize_t na) 
     if (!nargs_ok(na, 6, "quantize") || get_i64(a[0], &layout) || get_ptr(a[1], &x) || get_i64(a[2], &K) ||
         get_ptr(a[3], &q) || get_ptr(a[4], &d) || get_ptr(a[5], &s))
         return NULL;
-    if (K <= 0 || !x || !q || !d || !s || (layout != XL_NATURAL && layout != XL_Q4))
+    if (K <= 0 || !x || !q || !d || !s || (layout != XL_NATURAL && layout != XL_Q4 && layout != XL_Q8K))
         return PyErr_Format(PyExc_ValueError, "bad quantize arguments");
     si_quantize((int)layout, x, K, q, d, s);
     Py_RETURN_NONE;
@@ -776,8 +777,10 @@ PyMODINIT_FUNC PyInit__cpu(void) {
     PyModule_AddIntConstant(mod, "FMT_Q4K", FMT_Q4K);
     PyModule_AddIntConstant(mod, "FMT_TQ4", FMT_TQ4);
     PyModule_AddIntConstant(mod, "FMT_TQ6", FMT_TQ6);
+    PyModule_AddIntConstant(mod, "FMT_TQ4K", FMT_TQ4K);
     PyModule_AddIntConstant(mod, "XL_NATURAL", XL_NATURAL);
     PyModule_AddIntConstant(mod, "XL_Q4", XL_Q4);
+    PyModule_AddIntConstant(mod, "XL_Q8K", XL_Q8K);
     PyModule_AddIntConstant(mod, "ACT_INT8", ACT_INT8);
     PyModule_AddIntConstant(mod, "ACT_PRECISE", ACT_PRECISE);
     PyModule_AddIntConstant(mod, "ACT_SILU", ACT_SILU);

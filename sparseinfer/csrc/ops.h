@@ -27,8 +27,8 @@ int si_cmat_init(cmat_t *w, int64_t rows, int64_t cols, const void *qs, const vo
 int64_t si_gemv_cols(const cmat_t *w, const float *x, float thr, float *y);
 /* y = sum_j h[j] * W[:, idx[j]] for the n inputs idx, ascending and distinct (cols.c) */
 void si_gemv_cols_list(const cmat_t *w, const float *h, const int32_t *idx, int64_t n, float *y);
-/* out = the row tiles of a q4 (tq4: ceil(rows/16) * nb * 320 bytes) or q6 weight (tq6: 448
- * bytes per tile and block) (tiles.c) */
+/* out = the row tiles of a q4 (tq4: ceil(rows/16) * nb * 320 bytes), q6 (tq6: 448 bytes per
+ * tile and block) or q4k weight (tq4k: 2304 bytes per tile and super-block) (tiles.c) */
 void si_tile_rows(const qmat_t *w, uint8_t *out);
 /* y = W x on a tq4 weight with x in one int8 term whatever the activation mode (tiles.c: for
  * approximations, e.g. the output head's preview) */

@@ -61,7 +61,7 @@ static inline int64_t row_chunk(int64_t n, int64_t row_bytes) {
 
 /* the activation layout (XL_*) that a weight format's integer kernels read */
 static inline int layout_of(int fmt) {
-    return fmt == FMT_Q4 || fmt == FMT_Q6 ? XL_Q4 : fmt == FMT_Q4K ? XL_Q8K : XL_NATURAL;
+    return fmt == FMT_Q4 || fmt == FMT_Q6 ? XL_Q4 : fmt == FMT_Q4K || fmt == FMT_TQ4K ? XL_Q8K : XL_NATURAL;
 }
 
 /* Layout T quantized token vectors of kp values in scratch slot `slot` (2T virtual tokens

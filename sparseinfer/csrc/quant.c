@@ -51,10 +51,8 @@ int si_xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
  * x as the products. */
 void si_quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1,
                      const xq_t *xq) {
-    /* one quantizer for the super-block layout on every level (it is a small part of a
-     * product: one pass over K floats per token) */
     void (*quantize)(const float *, int64_t, int64_t, int64_t, int64_t, const xq_t *) =
-        xq->layout == XL_Q8K ? si_quantize_q8k : k->quantize;
+        xq->layout != XL_Q8K ? k->quantize : k->quantize_q8k ? k->quantize_q8k : si_quantize_q8k;
     if (!xq->pair) {
         quantize(x, K, kp, t0, t1, xq);
         return;
@@ -111,7 +109,8 @@ void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, flo
     int64_t kp = (K + 31) / 32 * 32;
     xq_t xq;
     if (si_xq_alloc(&xq, 0, layout, kp, 1) != 0) abort();
-    (layout == XL_Q8K ? si_quantize_q8k : si_kern()->quantize)(x, K, kp, 0, 1, &xq);
+    const kernels_t *k = si_kern();
+    (layout != XL_Q8K ? k->quantize : k->quantize_q8k ? k->quantize_q8k : si_quantize_q8k)(x, K, kp, 0, 1, &xq);
     memcpy(q, xq.q, (size_t)kp);
     memcpy(d, xq.d, (size_t)(kp / 32) * sizeof(float));
     memcpy(s, xq.s, (size_t)(kp / 32) * sizeof(float));

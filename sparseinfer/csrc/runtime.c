@@ -151,13 +151,15 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
         if (cols % 256) return -1;
         w->row_bytes = cols / 256 * SI_Q4K_BYTES;
         break;
-    case FMT_TQ4: case FMT_TQ6: /* a row's share of its tiles; no strides (tiles are not rows) */
-        w->row_bytes = w->nb * ((fmt == FMT_TQ4 ? TQ4_BLOCK_BYTES : TQ6_BLOCK_BYTES) / TQ4_ROWS);
+    case FMT_TQ4: case FMT_TQ6: case FMT_TQ4K: /* a row's share of its tiles; no strides (tiles are not rows) */
+        if (fmt == FMT_TQ4K && cols % 256) return -1;
+        w->row_bytes = fmt == FMT_TQ4K ? cols / 256 * (TQ4K_BLOCK_BYTES / TQ4_ROWS)
+                                       : w->nb * ((fmt == FMT_TQ4 ? TQ4_BLOCK_BYTES : TQ6_BLOCK_BYTES) / TQ4_ROWS);
         if ((qs_stride && qs_stride != w->row_bytes) || d_stride > 0) return -1;
         break;
     default: w->row_bytes = w->kp / 2; break;
     }
-    w->nd = fmt == FMT_Q6 ? 2 * w->nb : fmt == FMT_Q4K || fmt == FMT_TQ4 || fmt == FMT_TQ6 ? 0 : w->nb;
+    w->nd = fmt == FMT_Q6 ? 2 * w->nb : fmt == FMT_Q4K || fmt >= FMT_TQ4 ? 0 : w->nb;
     w->ds = w->nd;
     /* strides: 0 = natural; never below the natural widths */
     if (qs_stride) {
@@ -168,9 +170,9 @@ int si_qmat_init(qmat_t *w, int fmt, int64_t rows, int64_t cols, const void *qs,
         if (d_stride < w->nd) return -1;
         w->ds = d_stride;
     }
-    if (fmt >= FMT_Q8 && fmt != FMT_Q4K && fmt != FMT_TQ4 && fmt != FMT_TQ6 && !d && rows > 0) return -1;
+    if (fmt >= FMT_Q8 && fmt != FMT_Q4K && fmt < FMT_TQ4 && !d && rows > 0) return -1;
     if (fmt == FMT_Q4 && !m && rows > 0) return -1;
-    if (fmt < FMT_Q8 || fmt == FMT_Q4K || fmt == FMT_TQ4 || fmt == FMT_TQ6) w->d = w->m = NULL, w->ds = 0;
+    if (fmt < FMT_Q8 || fmt == FMT_Q4K || fmt >= FMT_TQ4) w->d = w->m = NULL, w->ds = 0;
     if (fmt == FMT_Q6) w->m = NULL;
     return 0;
 }

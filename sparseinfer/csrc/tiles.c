@@ -34,7 +34,20 @@
  * the 16 rows' f16 d of inputs 0..15 (32 bytes) and of inputs 16..31 (32 bytes).  A block
  * contributes, per term and per half j of 16 inputs,
  *   y[r] += d_x d_j[r] (sum_i q_x[i] q[r][i] - 32 sum_i q_x[i])
- * the per-16 sums of the token's codes computed once per call. */
+ * the per-16 sums of the token's codes computed once per call.
+ *
+ * tq4k holds q4k's values (GGUF Q4_K: value = d sc_j q - dmin mn_j for sub-block j of 32
+ * inputs, 6-bit sc_j and mn_j, f16 d and dmin per 256 inputs) in the same bytes as the file,
+ * rearranged: TQ4K_BLOCK_BYTES = 2304 per tile and super-block of 256 inputs at qs + (t * ns
+ * + s) * 2304, ns = cols / 256: the 8 sub-blocks' codes as tq4's four lines each (256 bytes
+ * per sub-block), then the 16 rows' scales and mins: 64 bytes of the scales' low 4 bits (byte
+ * 16p + i: row i, sub-block 2p in the low nibble, 2p + 1 in the high one), 64 of the mins'
+ * alike, 32 of the scales' high 2 bits (byte 16h + i, bits 2k: sub-block 4h + k), 32 of the
+ * mins' alike, then the 16 rows' f16 d (32 bytes) and dmin (32 bytes).  The tokens are
+ * quantized per super-block of 256 (XL_Q8K, llama.cpp's Q8_K, as for q4k: one d_x per 256,
+ * block sums s[j] per 32), and a super-block contributes, per term,
+ *   y[r] += d_x d[r] (sum_j sc_j[r] sum_i q_x[i] q[r][i])  -  dmin[r] (sum_j mn_j[r] s[j])
+ * the first sum exact in integers, the mins' in float in sub-block order. */
 #define _GNU_SOURCE
 #include "ops_internal.h"
 
@@ -55,11 +68,34 @@ static int tq6_code(const uint8_t *bp, int i, int c) {
     return tq4_code(bp, i, c) | (((bp[256 + 64 * h + 4 * i + k % 4] >> (2 * (k / 4))) & 3) << 4);
 }
 
-static int64_t block_bytes(const qmat_t *w) { return w->fmt == FMT_TQ6 ? TQ6_BLOCK_BYTES : TQ4_BLOCK_BYTES; }
+/* tq4k: row i's 6-bit scale (k = 0) or min (k = 1) of sub-block j of a super-block at bp */
+static int tq4k_scale(const uint8_t *bp, int k, int i, int j) {
+    const uint8_t lo = bp[2048 + 64 * k + 16 * (j / 2) + i], hi = bp[2176 + 32 * k + 16 * (j / 4) + i];
+    return ((j & 1) ? lo >> 4 : lo & 15) | (((hi >> (2 * (j % 4))) & 3) << 4);
+}
+
+/* bytes per tile and block of 32 inputs (tq4k: an eighth of a super-block's) */
+static int64_t block_bytes(const qmat_t *w) {
+    return w->fmt == FMT_TQ6 ? TQ6_BLOCK_BYTES : w->fmt == FMT_TQ4K ? TQ4K_BLOCK_BYTES / 8 : TQ4_BLOCK_BYTES;
+}
 
 void si_tile_row(const qmat_t *w, int64_t r, float *o) {
     const int64_t t = r / TQ4_ROWS, bb = block_bytes(w);
     const int i = (int)(r % TQ4_ROWS);
+    if (w->fmt == FMT_TQ4K) { /* the q4k row's values exactly as dense.c's deq_row forms them */
+        const int64_t ns = w->cols / 256;
+        for (int64_t s = 0; s < ns; s++) {
+            const uint8_t *bp = w->qs + (t * ns + s) * TQ4K_BLOCK_BYTES;
+            uint16_t dh, mh;
+            memcpy(&dh, bp + 2240 + 2 * i, 2);
+            memcpy(&mh, bp + 2272 + 2 * i, 2);
+            for (int j = 0; j < 8; j++) {
+                const float d = si_h2f(dh) * (float)tq4k_scale(bp, 0, i, j), m = si_h2f(mh) * (float)tq4k_scale(bp, 1, i, j);
+                for (int c = 0; c < 32; c++) o[256 * s + 32 * j + c] = d * (float)tq4_code(bp + 256 * j, i, c) - m;
+            }
+        }
+        return;
+    }
     for (int64_t b = 0; b < w->nb; b++) {
         const uint8_t *bp = w->qs + (t * w->nb + b) * bb;
         uint16_t dh, mh;
@@ -131,9 +167,42 @@ static void tiles_q6_portable(const qmat_t *w, int64_t t0, int64_t t1, const xq_
             }
 }
 
+static void tiles_q4k_portable(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y,
+                               int64_t yst) {
+    const int P = xq->pair;
+    const int64_t ns = w->cols / 256;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t k = 0; k < T; k++)
+            for (int i = 0; i < TQ4_ROWS; i++) {
+                float acc[2] = {0.0f, 0.0f};
+                for (int64_t s = 0; s < ns; s++) {
+                    const uint8_t *bp = w->qs + (t * ns + s) * TQ4K_BLOCK_BYTES;
+                    uint16_t dh, mh;
+                    memcpy(&dh, bp + 2240 + 2 * i, 2);
+                    memcpy(&mh, bp + 2272 + 2 * i, 2);
+                    for (int h = 0; h <= P; h++) {
+                        const int64_t v = (k << P) + h;
+                        const int8_t *q = xq->q + v * xq->q_stride + 256 * s;
+                        const float *sx = xq->s + v * xq->d_stride + 8 * s;
+                        int32_t isum = 0;
+                        float mt = 0.0f;
+                        for (int j = 0; j < 8; j++) {
+                            int32_t sum = 0;
+                            for (int c = 0; c < 32; c++) sum += (int32_t)q[32 * j + c] * tq4_code(bp + 256 * j, i, c);
+                            isum += tq4k_scale(bp, 0, i, j) * sum;
+                            mt += (float)tq4k_scale(bp, 1, i, j) * sx[j];
+                        }
+                        acc[s & 1] += (float)isum * (si_h2f(dh) * xq->d[v * xq->d_stride + 8 * s]) - si_h2f(mh) * mt;
+                    }
+                }
+                y[k * yst + TQ4_ROWS * (t - t0) + i] = acc[0] + acc[1];
+            }
+}
+
 typedef struct {
     const qmat_t *w;
     void (*fn)(const qmat_t *, int64_t, int64_t, const xq_t *, int64_t, float *, int64_t);
+    void (*fn4k)(const qmat_t *, int64_t, int64_t, const xq_t *, int64_t, float *, int64_t);
     void (*fn6)(const qmat_t *, int64_t, int64_t, const xq_t *, const int32_t *, int64_t, float *, int64_t);
     const int32_t *s16;
     const xq_t *xq;
@@ -146,6 +215,8 @@ static void tiles_call(const tiles_ctx *a, int64_t t0, int64_t t1, const xq_t *s
                        int64_t yst) {
     if (a->w->fmt == FMT_TQ6)
         a->fn6(a->w, t0, t1, s, a->s16 + (k0 << a->xq->pair) * (a->w->kp / 16), kn, y, yst);
+    else if (a->w->fmt == FMT_TQ4K)
+        a->fn4k(a->w, t0, t1, s, kn, y, yst);
     else
         a->fn(a->w, t0, t1, s, kn, y, yst);
 }
@@ -206,7 +277,8 @@ void si_tiles_dots(const qmat_t *w, const xq_t *xq, int64_t T, int64_t tchunk, f
                 s16[v * ns + j] = sum;
             }
     }
-    tiles_ctx a = {w, k->tiles_q4 ? k->tiles_q4 : tiles_q4_portable, k->tiles_q6 ? k->tiles_q6 : tiles_q6_portable, s16,
+    tiles_ctx a = {w, k->tiles_q4 ? k->tiles_q4 : tiles_q4_portable, k->tiles_q4k ? k->tiles_q4k : tiles_q4k_portable,
+                   k->tiles_q6 ? k->tiles_q6 : tiles_q6_portable, s16,
                    xq, T, tchunk < 1 ? 1 : tchunk, chunk, ntiles, ldy, y};
     run(tiles_task, &a, (ntiles + chunk - 1) / chunk, ntiles * tile_bytes * (T > FEW_TOKENS ? 64 : T));
 }
@@ -287,8 +359,48 @@ static void tile_task(void *p, int64_t t) {
     }
 }
 
+/* q4k -> tq4k: each row's super-block (d, dmin, 12 bytes of packed 6-bit scales and mins,
+ * 128 bytes of codes: bytes 32c.. hold sub-block 2c in their low nibbles and 2c + 1 in their
+ * high ones) spread over its tile's super-block, 4 code bytes at a time */
+static void tile_q4k_task(void *p, int64_t t) {
+    const tile_ctx *a = p;
+    const qmat_t *w = a->w;
+    const int64_t ns = w->cols / 256;
+    for (int64_t s = 0; s < ns; s++) {
+        uint8_t *bp = a->out + (t * ns + s) * TQ4K_BLOCK_BYTES;
+        memset(bp, 0, TQ4K_BLOCK_BYTES);
+        for (int i = 0; i < TQ4_ROWS; i++) {
+            const int64_t r = TQ4_ROWS * t + i;
+            if (r >= w->rows) break;
+            const uint8_t *blk = w->qs + r * w->row_bytes + s * SI_Q4K_BYTES;
+            const uint32_t lo = 0x0F0F0F0Fu, hi = 0xF0F0F0F0u;
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 4; l++) {
+                    uint32_t v[2], line[2];
+                    memcpy(v, blk + 16 + 32 * c + 8 * l, 8);
+                    line[0] = (v[0] & lo) | ((v[1] & lo) << 4);          /* sub-block 2c: low nibbles */
+                    line[1] = ((v[0] >> 4) & lo) | (v[1] & hi);           /* sub-block 2c + 1: high ones */
+                    memcpy(bp + 256 * (2 * c) + 64 * l + 4 * i, &line[0], 4);
+                    memcpy(bp + 256 * (2 * c + 1) + 64 * l + 4 * i, &line[1], 4);
+                }
+            int sm[2][8];
+            for (int j = 0; j < 8; j++) si_q4k_sub(blk + 4, j, &sm[0][j], &sm[1][j]);
+            for (int k = 0; k < 2; k++) {
+                for (int q = 0; q < 4; q++) bp[2048 + 64 * k + 16 * q + i] = (uint8_t)((sm[k][2 * q] & 15) | (sm[k][2 * q + 1] & 15) << 4);
+                for (int h = 0; h < 2; h++) {
+                    int v = 0;
+                    for (int j = 0; j < 4; j++) v |= ((sm[k][4 * h + j] >> 4) & 3) << (2 * j);
+                    bp[2176 + 32 * k + 16 * h + i] = (uint8_t)v;
+                }
+            }
+            memcpy(bp + 2240 + 2 * i, blk, 2);
+            memcpy(bp + 2272 + 2 * i, blk + 2, 2);
+        }
+    }
+}
+
 void si_tile_rows(const qmat_t *w, uint8_t *out) {
     tile_ctx a = {w, out};
     const int64_t ntiles = (w->rows + TQ4_ROWS - 1) / TQ4_ROWS;
-    run(tile_task, &a, ntiles, ntiles * w->nb * TQ6_BLOCK_BYTES);
+    run(w->fmt == FMT_Q4K ? tile_q4k_task : tile_task, &a, ntiles, ntiles * w->nb * TQ6_BLOCK_BYTES);
 }

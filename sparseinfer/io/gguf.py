@@ -595,20 +595,24 @@ _CHUNK_BYTES = 4 << 20  # file bytes converted at a time (`tensor_to_qweight`)
 
 
 # Kernel levels that load Q4_K as q4k (GGUF Q4_K as the file stores it, 4.5 bits per weight)
-# rather than the q4 repack (5 bits) by default: those where a model decodes and reads its
-# prompt at least as fast with q4k (`python benchmarks/compare_llamacpp.py --ours-args "--dense
-# SPARSEINFER_Q4K=0" --ours-args "--dense SPARSEINFER_Q4K=1"`, alternated).  None so far:
-# docs/kernels.md says why, on AVX2 and on AVX-512 with VNNI.
-Q4K_LEVELS: tuple[str, ...] = ()
+# rather than the q4 repack (5 bits) by default: those whose dense projections then read it
+# in row tiles (tq4k, `kernels.cpu.ROW_TILE_LEVELS`), which decode and read prompts faster
+# than q4's tiles there (`python benchmarks/compare_llamacpp.py --ours-args "--dense
+# SPARSEINFER_Q4K=0" --ours-args "--dense SPARSEINFER_Q4K=1"`, alternated; docs/kernels.md).
+# Elsewhere the row-major q4k kernels are slower than q4's.
+Q4K_LEVELS: tuple[str, ...] = ("avx512", "avx512vnni")
 
 
 def keep_q4k() -> bool:
     """Whether Q4_K tensors stay as the file stores them (format q4k) rather than being
     repacked to q4: $SPARSEINFER_Q4K=1 or 0 when set, else where the kernel level in use is
-    one of `Q4K_LEVELS`.  Every level computes with either format."""
+    one of `Q4K_LEVELS` and row tiles are not turned off ($SPARSEINFER_TILES=0).  Every level
+    computes with either format."""
     env = os.environ.get("SPARSEINFER_Q4K", "").strip()
     if env in ("0", "1"):
         return env == "1"
+    if os.environ.get("SPARSEINFER_TILES", "").strip() == "0":
+        return False
     try:  # the compiled core itself: io sits below the kernels' Python wrappers
         from .. import _cpu as lib
     except ImportError:
@@ -626,6 +630,16 @@ def _repack(tname: str, raw: np.ndarray, rows: int, cols: int):
         return QWeight("q4k", rows, cols, torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(rows, -1)))
     fast = _repack_c(tname, raw, rows, cols)
     return fast if fast is not None else _repack_numpy(tname, raw, rows, cols)
+
+
+def q4k_to_q4(w):
+    """A q4k weight (Q4_K as the file stores it) as the q4 repack the loader makes of the same
+    bytes otherwise (sub-block scales and mins folded into f16 per 32)."""
+    from ..quant import Q4K_BYTES
+
+    raw = w.qs.numpy().reshape(w.rows, -1, Q4K_BYTES)
+    fast = _repack_c("Q4_K", raw, w.rows, w.cols)
+    return fast if fast is not None else _repack_numpy("Q4_K", raw, w.rows, w.cols)
 
 
 def _repack_numpy(tname: str, raw: np.ndarray, rows: int, cols: int):

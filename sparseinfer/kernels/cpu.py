@@ -38,10 +38,10 @@ except ImportError as e:  # no compiler at install time, or a stale build
 __all__ = ["gemv", "matmul", "gemv_rows", "axpy_rows", "sparse_ffn", "rms_norm", "attend1", "matmul_f32", "matmul_bf16", "dequantize_rows", "set_num_threads",
            "get_num_threads", "simd_level", "neuron_records", "interleave_rows", "interleave_pays", "empty_records_like", "is_interleaved", "stacked_view", "hidden_rows", "set_activation_mode", "activation_mode", "ACTIVATION_MODES", "available", "empty_hugepages"]
 
-_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5, "q4k": 6, "tq4": 7, "tq6": 8}
+_FMT = {"f32": 0, "f16": 1, "bf16": 2, "q8": 3, "q4": 4, "q6": 5, "q4k": 6, "tq4": 7, "tq6": 8, "tq4k": 9}
 _ACT = {"silu": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3}
 _QS_DTYPE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8, "q4k": torch.uint8, "tq4": torch.uint8, "tq6": torch.uint8}
+             "q8": torch.int8, "q4": torch.uint8, "q6": torch.uint8, "q4k": torch.uint8, "tq4": torch.uint8, "tq6": torch.uint8, "tq4k": torch.uint8}
 _F32 = torch.float32
 _I32 = torch.int32
 _Tensor = torch.Tensor
@@ -89,10 +89,10 @@ def qmat(w: QWeight) -> tuple[QMat, int]:
     shapes = {"f32": (w.rows, w.cols), "f16": (w.rows, w.cols), "bf16": (w.rows, w.cols),
               "q8": (w.rows, kp), "q4": (w.rows, kp // 2), "q6": (w.rows, kp // 4 * 3),
               "q4k": (w.rows, w.cols // Q4K_BLOCK * Q4K_BYTES), "tq4": tiles_shape(w.rows, w.cols, "tq4"),
-              "tq6": tiles_shape(w.rows, w.cols, "tq6")}
+              "tq6": tiles_shape(w.rows, w.cols, "tq6"), "tq4k": tiles_shape(w.rows, w.cols, "tq4k")}
     if w.fmt in TILE_FORMATS and (w.d is not None or w.m is not None or not w.qs.is_contiguous()):
         raise ValueError(f"{w.fmt} weight needs contiguous tiles and no separate scales")
-    if w.fmt == "q4k" and (w.cols % Q4K_BLOCK or w.d is not None or w.m is not None):
+    if w.fmt in ("q4k", "tq4k") and (w.cols % Q4K_BLOCK or w.d is not None or w.m is not None):
         raise ValueError(f"q4k weight needs a multiple of {Q4K_BLOCK} columns (got {w.cols}) and no separate scales")
     qst = _check_tensor(w.qs, f"{w.fmt} weight qs", _QS_DTYPE[w.fmt], shapes[w.fmt])
     d = m = dst = 0
@@ -648,13 +648,14 @@ def interleave_pays(w: QWeight) -> bool:
 # --ours-args="--dense"`, alternated (docs/kernels.md has the measurements): on avx2 q6 stays
 # row-major (its prompts ran slower tiled), and avx512amx, whose prompt products run on the
 # AMX unit from row-major weights, was not compared.
-ROW_TILE_LEVELS: dict[str, tuple[str, ...]] = {"avx2": ("q4",), "avx512": ("q4", "q6"), "avx512vnni": ("q4", "q6")}
+ROW_TILE_LEVELS: dict[str, tuple[str, ...]] = {"avx2": ("q4",), "avx512": ("q4", "q6", "q4k"),
+                                                 "avx512vnni": ("q4", "q6", "q4k")}
 
 
 def tiles_pay(w: QWeight) -> bool:
-    """Whether a q4 or q6 weight read whole (dense projections) should be held as row tiles
-    (tq4, tq6)."""
-    if w.fmt not in ("q4", "q6") or (w.fmt == "q4" and w.m is None) or not w.qs.is_cpu or not available():
+    """Whether a q4, q6 or q4k weight read whole (dense projections) should be held as row
+    tiles (tq4, tq6, tq4k)."""
+    if w.fmt not in ("q4", "q6", "q4k") or (w.fmt == "q4" and w.m is None) or not w.qs.is_cpu or not available():
         return False
     env = os.environ.get("SPARSEINFER_TILES", "").strip()
     if env in ("0", "1"):
@@ -663,11 +664,11 @@ def tiles_pay(w: QWeight) -> bool:
 
 
 def tile(w: QWeight) -> QWeight:
-    """`w` (q4 or q6) as row tiles (tq4, tq6) in a buffer on huge pages (`quant.to_tiles` is
-    the reference of the compiled conversion)."""
+    """`w` (q4, q6 or q4k) as row tiles (tq4, tq6, tq4k) in a buffer on huge pages
+    (`quant.to_tiles` is the reference of the compiled conversion)."""
     fmt = "t" + w.fmt
     out = empty_hugepages(tiles_shape(w.rows, w.cols, fmt))
-    if _cpu is None or w.fmt not in ("q4", "q6"):
+    if _cpu is None or w.fmt not in ("q4", "q6", "q4k"):
         return to_tiles(w, out)
     _cpu.tile_rows(_desc(w), out.data_ptr())
     return QWeight(fmt, w.rows, w.cols, out)

@@ -8,8 +8,9 @@ Accuracy contract of the fast kernels against these:
   so only the summation order differs: ``|y - ref| <= 1e-5 * sum_k |w_k x_k|`` (+ 1e-30).
   For q8/q4 the same relative term uses ``|d*q| + |m|`` in place of ``|w|`` (`magnitude`),
   since the kernels add the two parts separately and they can cancel.
-- integer formats (q8/q4/q6/q4k, and tq4 / tq6 as q4 / q6): the fast kernels quantize the activation x per block of 32
-  (per super-block of 256 for q4k, llama.cpp's Q8_K; `activation_group`) to int8:
+- integer formats (q8/q4/q6/q4k, and tq4 / tq6 / tq4k as q4 / q6 / q4k): the fast kernels quantize the
+  activation x per block of 32 (per super-block of 256 for q4k and tq4k, llama.cpp's Q8_K;
+  `activation_group`) to int8:
   ``d_hi = amax/127``, ``q_hi = round(x/d_hi)`` (`quantize_activation`, llama.cpp's Q8
   activations; mode "int8", the default), so each x value is off by at most d_hi/2 (~1e-2 of
   ``sum |w x|``).  In mode "precise" (`cpu.set_activation_mode`, $SPARSEINFER_ACT_MODE) a
@@ -32,12 +33,12 @@ import torch.nn.functional as F
 
 from sparseinfer.quant import BLOCK, Q4K_BLOCK, ColWeight, QWeight, from_tiles, padded, q4k_affine, unpack_nibbles, unpack_q6
 
-INT_FORMATS = ("q8", "q4", "q6", "q4k", "tq4", "tq6")
+INT_FORMATS = ("q8", "q4", "q6", "q4k", "tq4", "tq6", "tq4k")
 
 
 def activation_group(fmt: str) -> int:
     """How many activation values share one int8 scale in a format's integer products."""
-    return Q4K_BLOCK if fmt == "q4k" else BLOCK
+    return Q4K_BLOCK if fmt in ("q4k", "tq4k") else BLOCK
 
 # The activation table: every name a config may use, mapped to the one of ACTIVATIONS that
 # computes it (the C kernels' names, in the order of their ACT_* codes).  dReLU (Bamboo,
@@ -270,7 +271,7 @@ def magnitude(w: QWeight) -> torch.Tensor:
 def _affine(w: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(d*q (rows, Kp), m (rows, nb) or None) in float64: an integer-format weight as the
     kernels split it, value = d*q + m per block of 32."""
-    if w.fmt in ("tq4", "tq6"):
+    if w.fmt in ("tq4", "tq6", "tq4k"):
         return _affine(from_tiles(w))
     if w.fmt == "q4k":
         q, step, off = q4k_affine(w)

@@ -79,6 +79,15 @@ def interleave_head(model: CausalLM) -> None:
     from ..kernels import cpu
 
     w = model.head.weight
+    if isinstance(w, QWeight) and w.fmt == "q4k" and w.qs.is_cpu and w.qs.is_contiguous():
+        # Q4_K kept as stored pays in row tiles only, which the head (whose rows the preview
+        # reads) does not take: its q4 repack, as the loader makes it otherwise
+        from ..io.gguf import q4k_to_q4
+
+        new = q4k_to_q4(w)
+        if model.embed.weight is w:
+            model.embed.weight = new
+        model.head.weight = w = new
     if not isinstance(w, QWeight) or not cpu.interleave_pays(w) or cpu.is_interleaved(w):
         return
     new = cpu.interleave_rows(w)
