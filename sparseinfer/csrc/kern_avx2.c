@@ -947,6 +947,50 @@ static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int6
     }
 }
 
+/* XL_Q8K (common.h): one scale per super-block of 256 values, block sums per 32; the same
+ * values as si_quantize_q8k (kern_scalar.c), the reference (the positions past K read as 0) */
+static void quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
+    const int64_t nb = kp / 32;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = x + t * K;
+        int8_t *q = xq->q + t * xq->q_stride;
+        float *d = xq->d + t * xq->d_stride, *s = xq->s + t * xq->d_stride;
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+            const int64_t k0 = 32 * b0, nbl = nb - b0 < 8 ? nb - b0 : 8;
+            float tmp[256];
+            const float *src = xt + k0;
+            if (K - k0 < 32 * nbl) {
+                const int64_t n = K - k0;
+                for (int64_t j = 0; j < 32 * nbl; j++) tmp[j] = j < n ? src[j] : 0.0f;
+                src = tmp;
+            }
+            __m256 mx = _mm256_setzero_ps();
+            for (int64_t i = 0; i < 4 * nbl; i++) /* a NaN value is passed over, as the reference does */
+                mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(src + 8 * i), absmask), mx);
+            const float amax = hmax8(mx);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, db = amax / 127.0f;
+            const __m256 vid = _mm256_set1_ps(id);
+            for (int64_t b = 0; b < nbl; b++) {
+                const float *sb = src + 32 * b;
+                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb), vid));
+                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb + 8), vid));
+                const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb + 16), vid));
+                const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb + 24), vid));
+                const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), perm);
+                _mm256_storeu_si256((__m256i *)(q + k0 + 32 * b), p);
+                __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+                __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+                is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+                is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+                d[b0 + b] = db;
+                s[b0 + b] = db * (float)_mm_cvtsi128_si32(is4);
+            }
+        }
+    }
+}
+
 /* ---------------------------------------------------------- row-tiled q4 (tiles.c) */
 
 /* As the AVX-512 version, each 64-byte line in two halves of 8 rows (bytes 0..31: rows 0..7,
@@ -1000,6 +1044,106 @@ static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, in
         for (int64_t k0 = 0; k0 < T; k0 += step) {
             const int64_t kn = T - k0 < step ? T - k0 : step;
 #define TOK(KN, P) tiles_q4_tok(tp, G, xq, k0, KN, P, yt, yst)
+            if (xq->pair) {
+                if (kn == 2) TOK(2, 1); else TOK(1, 1);
+            } else {
+                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
+            }
+#undef TOK
+        }
+    }
+}
+
+/* tq4k (tiles.c) against XL_Q8K activations, as the AVX-512 version in two halves of 8 rows:
+ * per super-block and half, each sub-block's 8 row sums (tiles_q4_tok's block) times the
+ * rows' 6-bit scales in integers, then d_x d and the mins' term in float.  The 16 rows' scales
+ * (mins) of the 8 sub-blocks are first assembled as bytes, 32 at a time (out[16 j + i]: row
+ * i, sub-block j): the low plane's nibbles, each OR'd with its 2 high bits shifted to bits 4-5
+ * out of the high plane (both 128-bit lanes of it the same 16-byte row); a sub-block's 8 rows
+ * are then zero-extended to the lanes from there. */
+AI void q4k_scale_bytes(const uint8_t *sp, const int k, uint8_t *out) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int g = 0; g < 2; g++) { /* low-plane rows p = 2g, 2g + 1: sub-blocks 4g .. 4g + 3 */
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(sp + 2048 + 64 * k + 32 * g));
+        const __m256i H = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(sp + 2176 + 32 * k + 16 * g)));
+        /* A: sub-blocks 4g (lane 0, high bits 0-1) and 4g + 2 (lane 1, bits 4-5); B: 4g + 1 (bits 2-3), 4g + 3 (bits 6-7) */
+        const __m256i ha = _mm256_sllv_epi32(H, _mm256_setr_epi32(4, 4, 4, 4, 0, 0, 0, 0));
+        const __m256i hb = _mm256_blend_epi32(_mm256_slli_epi32(H, 2), _mm256_srli_epi32(H, 2), 0xF0);
+        const __m256i A = _mm256_or_si256(_mm256_and_si256(L, m0f), _mm256_and_si256(ha, m30));
+        const __m256i B = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), m0f), _mm256_and_si256(hb, m30));
+        _mm256_storeu_si256((__m256i *)(out + 64 * g), _mm256_permute2x128_si256(A, B, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 64 * g + 32), _mm256_permute2x128_si256(A, B, 0x31));
+    }
+}
+#define Q4K_LANES8(bytes, j, h) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((bytes) + 16 * (j) + 8 * (h))))
+
+AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0, const int KN, const int P, float *y,
+                      int64_t yst) {
+    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+    __m256 acc[4][2];
+    for (int k = 0; k < KN; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < ns; s++) {
+        const uint8_t *sp = tp + s * TQ4K_BLOCK_BYTES;
+        for (int o = 0; o < TQ4K_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(sp + TQ4K_BLOCK_BYTES + o), _MM_HINT_T0);
+        uint8_t sm[2][128];
+        q4k_scale_bytes(sp, 0, sm[0]);
+        q4k_scale_bytes(sp, 1, sm[1]);
+        for (int h = 0; h < 2; h++) {
+            __m256i isum[4][2];
+            for (int k = 0; k < KN; k++) isum[k][0] = isum[k][1] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *bp = sp + 256 * j;
+                __m256i sum[4][2];
+                for (int k = 0; k < KN; k++) sum[k][0] = sum[k][1] = _mm256_setzero_si256();
+                for (int l = 0; l < 4; l++) {
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(bp + 64 * l + 32 * h));
+                    const __m256i lo = _mm256_and_si256(c, m15), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), m15);
+                    for (int k = 0; k < KN; k++)
+                        for (int hv = 0; hv <= P; hv++) {
+                            const int32_t *xw = (const int32_t *)(xq->q + (((k0 + k) << P) + hv) * xq->q_stride + 256 * s + 32 * j);
+                            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xw[2 * l])),
+                                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xw[2 * l + 1])));
+                            sum[k][hv] = _mm256_add_epi32(sum[k][hv], _mm256_madd_epi16(p16, one));
+                        }
+                }
+                const __m256i sc = Q4K_LANES8(sm[0], j, h);
+                for (int k = 0; k < KN; k++)
+                    for (int hv = 0; hv <= P; hv++) isum[k][hv] = _mm256_add_epi32(isum[k][hv], _mm256_mullo_epi32(sum[k][hv], sc));
+            }
+            __m256 mt[4][2];
+            for (int j = 0; j < 8; j++) {
+                const __m256 mnf = _mm256_cvtepi32_ps(Q4K_LANES8(sm[1], j, h));
+                for (int k = 0; k < KN; k++)
+                    for (int hv = 0; hv <= P; hv++) {
+                        const __m256 sx = _mm256_set1_ps(xq->s[(((k0 + k) << P) + hv) * xq->d_stride + 8 * s + j]);
+                        mt[k][hv] = j ? _mm256_fmadd_ps(mnf, sx, mt[k][hv]) : _mm256_mul_ps(mnf, sx);
+                    }
+            }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 2240 + 16 * h)));
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 2272 + 16 * h)));
+            for (int k = 0; k < KN; k++)
+                for (int hv = 0; hv <= P; hv++) {
+                    const int64_t v = ((k0 + k) << P) + hv;
+                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k][hv]),
+                                                     _mm256_mul_ps(dv, _mm256_set1_ps(xq->d[v * xq->d_stride + 8 * s])), acc[k][h]);
+                    acc[k][h] = _mm256_fnmadd_ps(mv, mt[k][hv], a);
+                }
+        }
+    }
+    for (int k = 0; k < KN; k++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (k0 + k) * yst + 8 * h, acc[k][h]);
+}
+
+#undef Q4K_LANES8
+
+static void tiles_q4k(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
+    const int64_t ns = w->cols / 256, step = xq->pair ? 2 : 4;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tp = w->qs + t * ns * TQ4K_BLOCK_BYTES;
+        float *yt = y + TQ4_ROWS * (t - t0);
+        for (int64_t k0 = 0; k0 < T; k0 += step) {
+            const int64_t kn = T - k0 < step ? T - k0 : step;
+#define TOK(KN, P) tiles_q4k_tok(tp, ns, xq, k0, KN, P, yt, yst)
             if (xq->pair) {
                 if (kn == 2) TOK(2, 1); else TOK(1, 1);
             } else {
@@ -1066,7 +1210,7 @@ static void tiles_q6(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, co
 }
 
 const kernels_t si_kernels_avx2 = {"avx2", quantize, dot_q, dot_f, axpy, read_sum, si_act_avx2, 1, &si_attend_avx2, 8,
-                                   si_kv_store_avx2, 0, NULL, NULL, cols_group, tiles_q4, tiles_q6};
+                                   si_kv_store_avx2, 0, NULL, NULL, cols_group, tiles_q4, tiles_q6, tiles_q4k, quantize_q8k};
 #else
 typedef int si_empty_translation_unit;
 #endif
