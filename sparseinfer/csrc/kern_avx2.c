@@ -1036,21 +1036,26 @@ AI void tiles_q4_tok(const uint8_t *tp, int64_t G, const xq_t *xq, int64_t k0, c
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (k0 + k) * yst + 8 * h, acc[k][h]);
 }
 
+/* the T tokens in groups of up to 4 (2 pairs in the precise mode: registers are fewer than
+ * AVX-512's), TOK(KN, P) instantiated for each group size; k0 is the group's first token */
+#define FOR_TOKEN_GROUPS(T, pair, TOK)                                                                    \
+    for (int64_t k0 = 0, step = (pair) ? 2 : 4; k0 < (T); k0 += step) {                                   \
+        const int64_t kn = (T) - k0 < step ? (T) - k0 : step;                                              \
+        if (pair) {                                                                                        \
+            if (kn == 2) TOK(2, 1); else TOK(1, 1);                                                        \
+        } else {                                                                                           \
+            if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0); \
+        }                                                                                                  \
+    }
+
 static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
-    const int64_t G = w->nb, step = xq->pair ? 2 : 4;
+    const int64_t G = w->nb;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tp = w->qs + t * G * TQ4_BLOCK_BYTES;
         float *yt = y + TQ4_ROWS * (t - t0);
-        for (int64_t k0 = 0; k0 < T; k0 += step) {
-            const int64_t kn = T - k0 < step ? T - k0 : step;
 #define TOK(KN, P) tiles_q4_tok(tp, G, xq, k0, KN, P, yt, yst)
-            if (xq->pair) {
-                if (kn == 2) TOK(2, 1); else TOK(1, 1);
-            } else {
-                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
-            }
+        FOR_TOKEN_GROUPS(T, xq->pair, TOK)
 #undef TOK
-        }
     }
 }
 
@@ -1137,22 +1142,16 @@ AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0,
 #undef Q4K_LANES8
 
 static void tiles_q4k(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, int64_t T, float *y, int64_t yst) {
-    const int64_t ns = w->cols / 256, step = xq->pair ? 2 : 4;
+    const int64_t ns = w->cols / 256;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *tp = w->qs + t * ns * TQ4K_BLOCK_BYTES;
         float *yt = y + TQ4_ROWS * (t - t0);
-        for (int64_t k0 = 0; k0 < T; k0 += step) {
-            const int64_t kn = T - k0 < step ? T - k0 : step;
 #define TOK(KN, P) tiles_q4k_tok(tp, ns, xq, k0, KN, P, yt, yst)
-            if (xq->pair) {
-                if (kn == 2) TOK(2, 1); else TOK(1, 1);
-            } else {
-                if (kn == 4) TOK(4, 0); else if (kn == 3) TOK(3, 0); else if (kn == 2) TOK(2, 0); else TOK(1, 0);
-            }
+        FOR_TOKEN_GROUPS(T, xq->pair, TOK)
 #undef TOK
-        }
     }
 }
+#undef FOR_TOKEN_GROUPS
 
 /* tq6 (tiles.c), as the AVX-512 version in two halves of 8 rows, one token (or pair) at a time
  * per pass over a block: each line's nibbles completed with their high bits to 6-bit codes,
