@@ -1089,7 +1089,6 @@ AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0,
     for (int k = 0; k < KN; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
     for (int64_t s = 0; s < ns; s++) {
         const uint8_t *sp = tp + s * TQ4K_BLOCK_BYTES;
-        for (int o = 0; o < TQ4K_BLOCK_BYTES; o += 64) _mm_prefetch((const char *)(sp + TQ4K_BLOCK_BYTES + o), _MM_HINT_T0);
         uint8_t sm[2][128];
         q4k_scale_bytes(sp, 0, sm[0]);
         q4k_scale_bytes(sp, 1, sm[1]);
@@ -1098,6 +1097,9 @@ AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0,
             for (int k = 0; k < KN; k++) isum[k][0] = isum[k][1] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
                 const uint8_t *bp = sp + 256 * j;
+                /* the next super-block, a sixteenth of it per sub-block and half */
+                for (int o = 0; o < TQ4K_BLOCK_BYTES / 16; o += 64)
+                    _mm_prefetch((const char *)(sp + TQ4K_BLOCK_BYTES + (TQ4K_BLOCK_BYTES / 16) * (8 * h + j) + o), _MM_HINT_T0);
                 __m256i sum[4][2];
                 for (int k = 0; k < KN; k++) sum[k][0] = sum[k][1] = _mm256_setzero_si256();
                 for (int l = 0; l < 4; l++) {
