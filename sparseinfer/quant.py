@@ -222,8 +222,6 @@ def q4k_affine(w: QWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A q4k weight as (codes uint8 (rows, cols), step f32 (rows, cols // 32), offset f32
     (rows, cols // 32)): value = step * code + offset per block of 32, step = d * sc and
     offset = -dmin * mn, each product rounded once to f32 (as the kernels form them)."""
-    if w.fmt == "tq4k":
-        w = from_tiles(w)
     q, d, dmin, sc, mn = q4k_fields(w)
     ns = w.cols // Q4K_BLOCK
     step = (d.float()[..., None] * sc.float()).reshape(w.rows, ns * 8)
@@ -501,7 +499,7 @@ def to_tiles(w: QWeight, out: torch.Tensor | None = None) -> QWeight:
     """The row tiles of a row-major q4 (tq4), q6 (tq6) or q4k (tq4k) weight: the same values,
     16 rows interleaved (written into `out`, uint8 of `tiles_shape`, when given: e.g. a buffer
     on huge pages).  The reference of the compiled conversion (`kernels.cpu.tile`)."""
-    if w.fmt not in ("q4", "q6", "q4k") or (w.fmt == "q4" and w.m is None):
+    if "t" + w.fmt not in TILE_FORMATS or (w.fmt == "q4" and w.m is None):
         raise ValueError(f"row-tiled weights are made from q4, q6 or q4k weights, not {w.fmt}")
     fmt = "t" + w.fmt
     group, bb = _TILE_BLOCK[fmt]

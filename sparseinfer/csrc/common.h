@@ -114,6 +114,12 @@ typedef struct {
 /* tq4k: per tile and super-block of 256 inputs, 8 x 256 bytes of codes as tq4's, 192 of 6-bit
  * scales and mins, the 16 rows' f16 d and dmin */
 #define TQ4K_BLOCK_BYTES 2304
+/* offsets in a tq4k tile's super-block: the scales' (k = 0) or mins' (k = 1) plane of low
+ * nibbles at TQ4K_LO + 64k and of high 2-bit parts at TQ4K_HI + 32k; the rows' f16 d at
+ * TQ4K_D, dmin at TQ4K_D + 32 */
+#define TQ4K_LO 2048
+#define TQ4K_HI 2176
+#define TQ4K_D 2240
 
 /* the row-tiled formats (tiles.c): whole-matrix products only */
 static inline int si_fmt_tiled(int fmt) { return fmt == FMT_TQ4 || fmt == FMT_TQ6 || fmt == FMT_TQ4K; }

@@ -32,10 +32,23 @@ AI __m256i dot8(__m256i a, __m256i b) { return _mm256_madd_epi16(_mm256_maddubs_
 
 /* ---------------------------------------------------------------- activation quantizer */
 
+/* 32 values v (4 x 8) times vid, rounded to nearest even, as int8 in order; *sum = their sum
+ * (|q| <= 127, so the packs do not saturate) */
+AI __m256i quant32(const __m256 v[4], __m256 vid, int32_t *sum) {
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vid));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vid));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    const __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+    is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+    is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+    *sum = _mm_cvtsi128_si32(is4);
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* undo the packs' in-lane interleave */
+}
+
 static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
     const int64_t nb = kp / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t t = t0; t < t1; t++) {
         const float *xt = x + t * K;
         int8_t *q = xq->q + t * xq->q_stride;
@@ -53,22 +66,13 @@ static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
                 v[i] = _mm256_loadu_ps(src + 8 * i);
                 mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], absmask));
             }
-            float amax = hmax8(mx);
-            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m256 vid = _mm256_set1_ps(id);
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vid));
-            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vid));
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-            p = _mm256_permutevar8x32_epi32(p, perm); /* undo the in-lane interleave of the packs */
+            const float amax = hmax8(mx);
+            int32_t isum;
+            const __m256i p = quant32(v, _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), &isum);
             _mm_storeu_si128((__m128i *)(q + si_xpos(xq->layout, nb, b, 0)), _mm256_castsi256_si128(p));
             _mm_storeu_si128((__m128i *)(q + si_xpos(xq->layout, nb, b, 16)), _mm256_extracti128_si256(p, 1));
             d[b] = amax / 127.0f;
-            /* s = d * sum(q) (see kern_scalar.c); |q| <= 127, so the packs did not saturate */
-            __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-            __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
-            is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
-            is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
-            s[b] = d[b] * (float)_mm_cvtsi128_si32(is4);
+            s[b] = d[b] * (float)isum; /* s = d * sum(q), see kern_scalar.c */
         }
         si_fill_de(xq->layout, nb, d, xq->de + t * xq->de_stride);
     }
@@ -952,7 +956,6 @@ static void cols_group(const uint8_t *const *p, const uint32_t *xw, int nq, int6
 static void quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
     const int64_t nb = kp / 32;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t t = t0; t < t1; t++) {
         const float *xt = x + t * K;
         int8_t *q = xq->q + t * xq->q_stride;
@@ -973,19 +976,12 @@ static void quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int6
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f, db = amax / 127.0f;
             const __m256 vid = _mm256_set1_ps(id);
             for (int64_t b = 0; b < nbl; b++) {
-                const float *sb = src + 32 * b;
-                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb), vid));
-                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb + 8), vid));
-                const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb + 16), vid));
-                const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(sb + 24), vid));
-                const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3)), perm);
-                _mm256_storeu_si256((__m256i *)(q + k0 + 32 * b), p);
-                __m256i is = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-                __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
-                is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
-                is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+                const __m256 v[4] = {_mm256_loadu_ps(src + 32 * b), _mm256_loadu_ps(src + 32 * b + 8),
+                                     _mm256_loadu_ps(src + 32 * b + 16), _mm256_loadu_ps(src + 32 * b + 24)};
+                int32_t isum;
+                _mm256_storeu_si256((__m256i *)(q + k0 + 32 * b), quant32(v, vid, &isum));
                 d[b0 + b] = db;
-                s[b0 + b] = db * (float)_mm_cvtsi128_si32(is4);
+                s[b0 + b] = db * (float)isum;
             }
         }
     }
@@ -1069,8 +1065,8 @@ static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, in
 AI void q4k_scale_bytes(const uint8_t *sp, const int k, uint8_t *out) {
     const __m256i m0f = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     for (int g = 0; g < 2; g++) { /* low-plane rows p = 2g, 2g + 1: sub-blocks 4g .. 4g + 3 */
-        const __m256i L = _mm256_loadu_si256((const __m256i *)(sp + 2048 + 64 * k + 32 * g));
-        const __m256i H = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(sp + 2176 + 32 * k + 16 * g)));
+        const __m256i L = _mm256_loadu_si256((const __m256i *)(sp + TQ4K_LO + 64 * k + 32 * g));
+        const __m256i H = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(sp + TQ4K_HI + 32 * k + 16 * g)));
         /* A: sub-blocks 4g (lane 0, high bits 0-1) and 4g + 2 (lane 1, bits 4-5); B: 4g + 1 (bits 2-3), 4g + 3 (bits 6-7) */
         const __m256i ha = _mm256_sllv_epi32(H, _mm256_setr_epi32(4, 4, 4, 4, 0, 0, 0, 0));
         const __m256i hb = _mm256_blend_epi32(_mm256_slli_epi32(H, 2), _mm256_srli_epi32(H, 2), 0xF0);
@@ -1126,8 +1122,8 @@ AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0,
                         mt[k][hv] = j ? _mm256_fmadd_ps(mnf, sx, mt[k][hv]) : _mm256_mul_ps(mnf, sx);
                     }
             }
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 2240 + 16 * h)));
-            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 2272 + 16 * h)));
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + TQ4K_D + 16 * h)));
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + TQ4K_D + 32 + 16 * h)));
             for (int k = 0; k < KN; k++)
                 for (int hv = 0; hv <= P; hv++) {
                     const int64_t v = ((k0 + k) << P) + hv;

@@ -22,6 +22,15 @@
 
 /* ---------------------------------------------------------------- activation quantizer */
 
+/* 32 values (v0, v1) times vid, rounded to nearest even, as int8 at q0 (the first 16) and q1;
+ * returns their sum */
+AI int32_t quant32(__m512 v0, __m512 v1, __m512 vid, int8_t *q0, int8_t *q1) {
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+    _mm_storeu_si128((__m128i *)q0, _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128((__m128i *)q1, _mm512_cvtsepi32_epi8(i1));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+}
+
 static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1, const xq_t *xq) {
     const int64_t nb = kp / 32, nfull = nb & ~(int64_t)3;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -37,15 +46,10 @@ static void quantize(const float *x, int64_t K, int64_t kp, int64_t t0, int64_t 
             __m512 v0 = _mm512_maskz_loadu_ps(m0, xt + b * 32);
             __m512 v1 = _mm512_maskz_loadu_ps(m1, xt + b * 32 + 16);
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
-            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            __m512 vid = _mm512_set1_ps(id);
-            __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-            __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
-            int64_t o0 = si_xpos(xq->layout, nb, b, 0), o1 = si_xpos(xq->layout, nb, b, 16);
-            _mm_storeu_si128((__m128i *)(q + o0), q0);
-            _mm_storeu_si128((__m128i *)(q + o1), q1);
+            const int32_t isum = quant32(v0, v1, _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f),
+                                         q + si_xpos(xq->layout, nb, b, 0), q + si_xpos(xq->layout, nb, b, 16));
             d[b] = amax / 127.0f;
-            s[b] = d[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)); /* d * sum(q), see kern_scalar.c */
+            s[b] = d[b] * (float)isum; /* d * sum(q), see kern_scalar.c */
         }
         if (xq->layout == XL_Q4) {
             const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -82,12 +86,9 @@ static void quantize_q8k(const float *x, int64_t K, int64_t kp, int64_t t0, int6
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f, db = amax / 127.0f;
             const __m512 vid = _mm512_set1_ps(id);
             for (int b = 0; b < nbl; b++) {
-                const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * b], vid));
-                const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[2 * b + 1], vid));
-                _mm_storeu_si128((__m128i *)(q + k0 + 32 * b), _mm512_cvtsepi32_epi8(i0));
-                _mm_storeu_si128((__m128i *)(q + k0 + 32 * b + 16), _mm512_cvtsepi32_epi8(i1));
+                const int32_t isum = quant32(v[2 * b], v[2 * b + 1], vid, q + k0 + 32 * b, q + k0 + 32 * b + 16);
                 d[b0 + b] = db;
-                s[b0 + b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+                s[b0 + b] = db * (float)isum;
             }
         }
     }
@@ -1172,8 +1173,8 @@ static void tiles_q4(const qmat_t *w, int64_t t0, int64_t t1, const xq_t *xq, in
  * of the high plane (lanes p = 0..3 of it repeat its 16-byte rows h = p / 2). */
 AI void q4k_scale_bytes(const uint8_t *sp, const int k, __m512i *ev, __m512i *od) {
     const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i L = _mm512_loadu_si512(sp + 2048 + 64 * k);
-    const __m512i hb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(sp + 2176 + 32 * k)));
+    const __m512i L = _mm512_loadu_si512(sp + TQ4K_LO + 64 * k);
+    const __m512i hb = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(sp + TQ4K_HI + 32 * k)));
     const __m512i H = _mm512_shuffle_i64x2(hb, hb, _MM_SHUFFLE(1, 1, 0, 0));
     /* sub-block 2p: bits 4 (p % 2) of H; 2p + 1: bits 4 (p % 2) + 2 */
     const __m512i ra = _mm512_rolv_epi32(H, _mm512_set_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4));
@@ -1237,8 +1238,8 @@ AI void tiles_q4k_tok(const uint8_t *tp, int64_t ns, const xq_t *xq, int64_t k0,
         }
         MINS(0) MINS(1) MINS(2) MINS(3) MINS(4) MINS(5) MINS(6) MINS(7)
 #undef MINS
-        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 2240)));
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 2272)));
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + TQ4K_D)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + TQ4K_D + 32)));
         for (int k = 0; k < KN; k++)
             for (int h = 0; h <= P; h++) {
                 const int64_t v = ((k0 + k) << P) + h;

@@ -70,7 +70,7 @@ static int tq6_code(const uint8_t *bp, int i, int c) {
 
 /* tq4k: row i's 6-bit scale (k = 0) or min (k = 1) of sub-block j of a super-block at bp */
 static int tq4k_scale(const uint8_t *bp, int k, int i, int j) {
-    const uint8_t lo = bp[2048 + 64 * k + 16 * (j / 2) + i], hi = bp[2176 + 32 * k + 16 * (j / 4) + i];
+    const uint8_t lo = bp[TQ4K_LO + 64 * k + 16 * (j / 2) + i], hi = bp[TQ4K_HI + 32 * k + 16 * (j / 4) + i];
     return ((j & 1) ? lo >> 4 : lo & 15) | (((hi >> (2 * (j % 4))) & 3) << 4);
 }
 
@@ -87,8 +87,8 @@ void si_tile_row(const qmat_t *w, int64_t r, float *o) {
         for (int64_t s = 0; s < ns; s++) {
             const uint8_t *bp = w->qs + (t * ns + s) * TQ4K_BLOCK_BYTES;
             uint16_t dh, mh;
-            memcpy(&dh, bp + 2240 + 2 * i, 2);
-            memcpy(&mh, bp + 2272 + 2 * i, 2);
+            memcpy(&dh, bp + TQ4K_D + 2 * i, 2);
+            memcpy(&mh, bp + TQ4K_D + 32 + 2 * i, 2);
             for (int j = 0; j < 8; j++) {
                 const float d = si_h2f(dh) * (float)tq4k_scale(bp, 0, i, j), m = si_h2f(mh) * (float)tq4k_scale(bp, 1, i, j);
                 for (int c = 0; c < 32; c++) o[256 * s + 32 * j + c] = d * (float)tq4_code(bp + 256 * j, i, c) - m;
@@ -178,8 +178,8 @@ static void tiles_q4k_portable(const qmat_t *w, int64_t t0, int64_t t1, const xq
                 for (int64_t s = 0; s < ns; s++) {
                     const uint8_t *bp = w->qs + (t * ns + s) * TQ4K_BLOCK_BYTES;
                     uint16_t dh, mh;
-                    memcpy(&dh, bp + 2240 + 2 * i, 2);
-                    memcpy(&mh, bp + 2272 + 2 * i, 2);
+                    memcpy(&dh, bp + TQ4K_D + 2 * i, 2);
+                    memcpy(&mh, bp + TQ4K_D + 32 + 2 * i, 2);
                     for (int h = 0; h <= P; h++) {
                         const int64_t v = (k << P) + h;
                         const int8_t *q = xq->q + v * xq->q_stride + 256 * s;
@@ -386,15 +386,15 @@ static void tile_q4k_task(void *p, int64_t t) {
             int sm[2][8];
             for (int j = 0; j < 8; j++) si_q4k_sub(blk + 4, j, &sm[0][j], &sm[1][j]);
             for (int k = 0; k < 2; k++) {
-                for (int q = 0; q < 4; q++) bp[2048 + 64 * k + 16 * q + i] = (uint8_t)((sm[k][2 * q] & 15) | (sm[k][2 * q + 1] & 15) << 4);
+                for (int q = 0; q < 4; q++) bp[TQ4K_LO + 64 * k + 16 * q + i] = (uint8_t)((sm[k][2 * q] & 15) | (sm[k][2 * q + 1] & 15) << 4);
                 for (int h = 0; h < 2; h++) {
                     int v = 0;
                     for (int j = 0; j < 4; j++) v |= ((sm[k][4 * h + j] >> 4) & 3) << (2 * j);
-                    bp[2176 + 32 * k + 16 * h + i] = (uint8_t)v;
+                    bp[TQ4K_HI + 32 * k + 16 * h + i] = (uint8_t)v;
                 }
             }
-            memcpy(bp + 2240 + 2 * i, blk, 2);
-            memcpy(bp + 2272 + 2 * i, blk + 2, 2);
+            memcpy(bp + TQ4K_D + 2 * i, blk, 2);
+            memcpy(bp + TQ4K_D + 32 + 2 * i, blk + 2, 2);
         }
     }
 }

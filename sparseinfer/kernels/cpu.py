@@ -655,7 +655,7 @@ ROW_TILE_LEVELS: dict[str, tuple[str, ...]] = {"avx2": ("q4",), "avx512": ("q4",
 def tiles_pay(w: QWeight) -> bool:
     """Whether a q4, q6 or q4k weight read whole (dense projections) should be held as row
     tiles (tq4, tq6, tq4k)."""
-    if w.fmt not in ("q4", "q6", "q4k") or (w.fmt == "q4" and w.m is None) or not w.qs.is_cpu or not available():
+    if "t" + w.fmt not in TILE_FORMATS or (w.fmt == "q4" and w.m is None) or not w.qs.is_cpu or not available():
         return False
     env = os.environ.get("SPARSEINFER_TILES", "").strip()
     if env in ("0", "1"):
@@ -668,7 +668,7 @@ def tile(w: QWeight) -> QWeight:
     (`quant.to_tiles` is the reference of the compiled conversion)."""
     fmt = "t" + w.fmt
     out = empty_hugepages(tiles_shape(w.rows, w.cols, fmt))
-    if _cpu is None or w.fmt not in ("q4", "q6", "q4k"):
+    if _cpu is None or "t" + w.fmt not in TILE_FORMATS:
         return to_tiles(w, out)
     _cpu.tile_rows(_desc(w), out.data_ptr())
     return QWeight(fmt, w.rows, w.cols, out)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseinfer.quant import BLOCK, Q4K_BLOCK, ColWeight, QWeight, from_tiles, padded, q4k_affine, unpack_nibbles, unpack_q6
+from sparseinfer.quant import (BLOCK, Q4K_BLOCK, TILE_FORMATS, ColWeight, QWeight, from_tiles, padded, q4k_affine,
+                               unpack_nibbles, unpack_q6)
 
 INT_FORMATS = ("q8", "q4", "q6", "q4k", "tq4", "tq6", "tq4k")
 
@@ -271,7 +272,7 @@ def magnitude(w: QWeight) -> torch.Tensor:
 def _affine(w: QWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(d*q (rows, Kp), m (rows, nb) or None) in float64: an integer-format weight as the
     kernels split it, value = d*q + m per block of 32."""
-    if w.fmt in ("tq4", "tq6", "tq4k"):
+    if w.fmt in TILE_FORMATS:
         return _affine(from_tiles(w))
     if w.fmt == "q4k":
         q, step, off = q4k_affine(w)

@@ -73,7 +73,8 @@ def prefetch(src: WeightSource) -> None:
 
 def interleave_head(model: CausalLM) -> None:
     """The output projection with each row's scales next to its values (`interleave_rows`),
-    shared with the embedding when the two are tied.  It is the largest single read of a
+    shared with the embedding when the two are tied; a head kept as Q4_K (`q4k`) becomes its
+    q4 repack first.  It is the largest single read of a
     decode step (Qwen2.5-1.5B: a 200 MB q6 matrix, over half the bytes per token at density
     0.1), so sparse decode gains from reading it as whole rows (`interleave_pays` says where)."""
     from ..kernels import cpu
