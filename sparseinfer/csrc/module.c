@@ -174,7 +174,7 @@ static PyObject *py_gemv_int8(PyObject *self, PyObject *const *a, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
-/* tile_rows(w, out): out the row tiles of the q4 or q6 weight w; the caller (kernels/cpu.py `tile`)
+/* tile_rows(w, out): out the row tiles of the q4, q6 or q4k weight w; the caller (kernels/cpu.py `tile`)
  * sized out (quant.tiles_shape) */
 static PyObject *py_tile_rows(PyObject *self, PyObject *const *a, Py_ssize_t n) {
     qmat_t w;
@@ -724,7 +724,7 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(w, X, M, Y)"},
     {"gemv_rows", (PyCFunction)(void (*)(void))py_gemv_rows, METH_FASTCALL, "gemv_rows(w, x, idx, n, y)"},
     {"gemv_int8", (PyCFunction)(void (*)(void))py_gemv_int8, METH_FASTCALL, "gemv_int8(w, x, y): tq4, one int8 term"},
-    {"tile_rows", (PyCFunction)(void (*)(void))py_tile_rows, METH_FASTCALL, "tile_rows(w, out): q4 / q6 -> row tiles"},
+    {"tile_rows", (PyCFunction)(void (*)(void))py_tile_rows, METH_FASTCALL, "tile_rows(w, out): q4 / q6 / q4k -> row tiles"},
     {"select_ids", (PyCFunction)(void (*)(void))py_select_ids, METH_FASTCALL, "ids at or above a threshold, or listed"},
     {"gemv_cols", (PyCFunction)(void (*)(void))py_gemv_cols, METH_FASTCALL, "column-grouped q4 product over kept inputs"},
     {"gemv_cols_list", (PyCFunction)(void (*)(void))py_gemv_cols_list, METH_FASTCALL, "column-grouped q4 product over listed inputs"},

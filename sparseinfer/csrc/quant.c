@@ -49,10 +49,16 @@ int si_xq_alloc(xq_t *xq, int slot, int layout, int64_t kp, int64_t T) {
  * q_hi = the level's quantizer on x, q_lo = the same quantizer on the f32 residual
  * x - d_hi*q_hi; each term carries its own block sums d*sum(q), so the m term sees the same
  * x as the products. */
+typedef void (*quantize_fn)(const float *, int64_t, int64_t, int64_t, int64_t, const xq_t *);
+
+/* level k's quantizer for an activation layout (XL_Q8K: its own, or the portable one) */
+static quantize_fn quantizer(const kernels_t *k, int layout) {
+    return layout != XL_Q8K ? k->quantize : k->quantize_q8k ? k->quantize_q8k : si_quantize_q8k;
+}
+
 void si_quant_tokens(const kernels_t *k, const float *x, int64_t K, int64_t kp, int64_t t0, int64_t t1,
                      const xq_t *xq) {
-    void (*quantize)(const float *, int64_t, int64_t, int64_t, int64_t, const xq_t *) =
-        xq->layout != XL_Q8K ? k->quantize : k->quantize_q8k ? k->quantize_q8k : si_quantize_q8k;
+    const quantize_fn quantize = quantizer(k, xq->layout);
     if (!xq->pair) {
         quantize(x, K, kp, t0, t1, xq);
         return;
@@ -109,8 +115,7 @@ void si_quantize(int layout, const float *x, int64_t K, int8_t *q, float *d, flo
     int64_t kp = (K + 31) / 32 * 32;
     xq_t xq;
     if (si_xq_alloc(&xq, 0, layout, kp, 1) != 0) abort();
-    const kernels_t *k = si_kern();
-    (layout != XL_Q8K ? k->quantize : k->quantize_q8k ? k->quantize_q8k : si_quantize_q8k)(x, K, kp, 0, 1, &xq);
+    quantizer(si_kern(), layout)(x, K, kp, 0, 1, &xq);
     memcpy(q, xq.q, (size_t)kp);
     memcpy(d, xq.d, (size_t)(kp / 32) * sizeof(float));
     memcpy(s, xq.s, (size_t)(kp / 32) * sizeof(float));
